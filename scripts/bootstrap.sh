@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment and install unillm with the engines its tests use.
+#
+#   UNILLM_VENV   where the environment lives (default: .venv in the checkout)
+#   PYTHON        the interpreter to build it from (default: python3, >= 3.10)
+#
+# The environment is keyed by a hash of the dependency specification: when pyproject.toml or
+# this script change, it is rebuilt from scratch. llama-cpp-python compiles from source (tens of
+# minutes on 2 cores); pip keeps the built wheel in its cache, so a rebuild reuses it in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${UNILLM_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+spec_hash=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+stamp="$VENV/.unillm-deps-$spec_hash"
+
+if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ]; then
+    # Dependencies are current; point the editable install at this checkout (no downloads).
+    "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+        || "$VENV/bin/python" -m pip install -q --no-deps -e .
+    exit 0
+fi
+
+echo "bootstrap: building $VENV (dependency spec $spec_hash)" >&2
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q -U pip
+# Skip llama.cpp's multimodal library (about a third of its build); unillm does not use it.
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+"$VENV/bin/python" -m pip install -q hatchling
+"$VENV/bin/python" -m pip install -e ".[dev,llamacpp]"
+touch "$stamp"

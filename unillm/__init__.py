@@ -1,0 +1,150 @@
+"""unillm: one interface over the local LLM inference engines.
+
+    from unillm import auto_engine
+
+    with auto_engine("model.gguf") as engine:
+        print(engine.generate("Hello", max_tokens=32).text)
+
+Importing unillm is cheap: names load on first use and no engine is imported until a model is
+loaded.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "auto_engine": "unillm._auto",
+    "load_engine": "unillm._auto",
+    "Selection": "unillm._auto",
+    "Candidate": "unillm._auto",
+    "read_config": "unillm._config",
+    "detect_format": "unillm._inspect",
+    "Engine": "unillm._engine",
+    "NoOptions": "unillm._engine",
+    "UnillmWarning": "unillm._engine",
+    "backends": "unillm._plugins",
+    "Registry": "unillm._plugins",
+    "BackendInfo": "unillm._plugins",
+    "hookimpl": "unillm.hookspecs",
+    "SamplingParams": "unillm._types",
+    "EngineConfig": "unillm._types",
+    "ChatMessage": "unillm._types",
+    "Chunk": "unillm._types",
+    "Completion": "unillm._types",
+    "Usage": "unillm._types",
+    "Timings": "unillm._types",
+    "KVStats": "unillm._types",
+    "Capabilities": "unillm._types",
+    "Availability": "unillm._types",
+    "Suitability": "unillm._types",
+    "UnillmError": "unillm._errors",
+    "ConfigError": "unillm._errors",
+    "UnknownBackend": "unillm._errors",
+    "UnsupportedParameter": "unillm._errors",
+    "BackendUnavailable": "unillm._errors",
+    "NoSuitableBackend": "unillm._errors",
+    "ModelFormatError": "unillm._errors",
+    "ModelLoadError": "unillm._errors",
+    "ModelNotFound": "unillm._errors",
+    "OutOfMemory": "unillm._errors",
+    "ContextLengthExceeded": "unillm._errors",
+    "GenerationError": "unillm._errors",
+    "EngineClosed": "unillm._errors",
+    "PluginError": "unillm._errors",
+}
+
+__all__ = [
+    "Availability",
+    "BackendInfo",
+    "BackendUnavailable",
+    "Candidate",
+    "Capabilities",
+    "ChatMessage",
+    "Chunk",
+    "Completion",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "GenerationError",
+    "KVStats",
+    "ModelFormatError",
+    "ModelLoadError",
+    "ModelNotFound",
+    "NoOptions",
+    "NoSuitableBackend",
+    "OutOfMemory",
+    "PluginError",
+    "Registry",
+    "SamplingParams",
+    "Selection",
+    "Suitability",
+    "Timings",
+    "UnillmError",
+    "UnillmWarning",
+    "UnknownBackend",
+    "UnsupportedParameter",
+    "Usage",
+    "auto_engine",
+    "backends",
+    "detect_format",
+    "hookimpl",
+    "load_engine",
+    "read_config",
+]
+
+if TYPE_CHECKING:
+    from unillm._auto import Candidate, Selection, auto_engine, load_engine
+    from unillm._config import read_config
+    from unillm._engine import Engine, NoOptions, UnillmWarning
+    from unillm._errors import (
+        BackendUnavailable,
+        ConfigError,
+        ContextLengthExceeded,
+        EngineClosed,
+        GenerationError,
+        ModelFormatError,
+        ModelLoadError,
+        ModelNotFound,
+        NoSuitableBackend,
+        OutOfMemory,
+        PluginError,
+        UnillmError,
+        UnknownBackend,
+        UnsupportedParameter,
+    )
+    from unillm._inspect import detect_format
+    from unillm._plugins import BackendInfo, Registry, backends
+    from unillm._types import (
+        Availability,
+        Capabilities,
+        ChatMessage,
+        Chunk,
+        Completion,
+        EngineConfig,
+        KVStats,
+        SamplingParams,
+        Suitability,
+        Timings,
+        Usage,
+    )
+    from unillm.hookspecs import hookimpl
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unillm' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return [*globals(), *_LAZY]

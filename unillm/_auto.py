@@ -1,0 +1,155 @@
+"""``auto_engine`` and ``load_engine``: from a model path or a config to a loaded engine.
+
+The choice for now routes by model format among the installed backends (the first registered
+one that reads the format wins; built-ins register first). Whatever chose it, the engine's
+``selection`` records the candidates, why each was or was not taken, and every fallback step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from unillm._config import read_config
+from unillm._errors import (
+    BackendUnavailable,
+    ModelLoadError,
+    NoSuitableBackend,
+    OutOfMemory,
+)
+from unillm._inspect import detect_format
+from unillm._plugins import Registry, default_registry, normalize_name
+
+if TYPE_CHECKING:
+    from unillm._engine import Engine
+    from unillm._types import EngineConfig
+
+__all__ = ["Candidate", "Selection", "auto_engine", "load_engine"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend the selection considered."""
+
+    name: str
+    source: str
+    eligible: bool
+    reasons: tuple[str, ...] = ()
+    blockers: tuple[str, ...] = ()
+
+
+@dataclass
+class Selection:
+    """What was chosen for a model, by whom, and why; ``explain()`` renders it."""
+
+    model: str
+    format: str
+    backend: str
+    chosen_by: Literal["config", "environment", "auto"]
+    candidates: list[Candidate] = field(default_factory=list)
+    steps: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        """A plain-text account: the choice, then every candidate with its reasons."""
+        lines = [
+            f"model:   {self.model} (format: {self.format})",
+            f"backend: {self.backend} (chosen by {self.chosen_by})",
+            "candidates:",
+        ]
+        for c in self.candidates:
+            mark = "+" if c.eligible else "-"
+            why = "; ".join(c.reasons + c.blockers) or "no reason recorded"
+            lines.append(f"  {mark} {c.name} [{c.source}]: {why}")
+        if self.steps:
+            lines.append("steps:")
+            lines.extend(f"  {i}. {s}" for i, s in enumerate(self.steps, 1))
+        return "\n".join(lines)
+
+
+def auto_engine(
+    model: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    context_length: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+    **config: Any,
+) -> Engine[Any]:
+    """Open ``model`` with the most suitable installed backend and return it loaded.
+
+    ``backend`` forces a backend; ``options`` are its load options; other keywords are
+    ``EngineConfig`` fields. ``UNILLM_*`` environment variables override all of these. The
+    returned engine's ``selection.explain()`` says what was chosen and why.
+    """
+    cfg = read_config(
+        {"model": os.fspath(model)},
+        backend=backend,
+        context_length=context_length,
+        options=dict(options) if options else None,
+        **config,
+    )
+    return _open(cfg, registry or default_registry())
+
+
+def load_engine(
+    source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    registry: Registry | None = None,
+    **overrides: Any,
+) -> Engine[Any]:
+    """Load the engine a config describes (an ``EngineConfig``, a dict or a TOML path)."""
+    return _open(read_config(source, **overrides), registry or default_registry())
+
+
+def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
+    fmt = detect_format(cfg.model)
+    candidates = _candidates(fmt, registry)
+    if cfg.backend:
+        env_backend = os.environ.get("UNILLM_BACKEND", "")
+        by = "environment" if normalize_name(env_backend) == normalize_name(cfg.backend) else "config"
+        cls = registry.get(cfg.backend)
+        avail = cls.available()
+        if not avail.available:
+            raise BackendUnavailable(cls.name, avail.reason, avail.install_hint)
+        order = [cls]
+    else:
+        by = "auto"
+        order = [registry.get(c.name) for c in candidates if c.eligible]
+        if not order:
+            raise NoSuitableBackend(cfg.model, [(c.name, "; ".join(c.blockers)) for c in candidates])
+    selection = Selection(cfg.model, fmt, order[0].name, by, candidates)
+    last_error: Exception | None = None
+    for cls in order:
+        engine = cls(cfg)
+        engine.selection = selection
+        selection.backend = cls.name
+        try:
+            return engine.load()
+        except (OutOfMemory, ModelLoadError, BackendUnavailable) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            selection.steps.append(f"{cls.name} failed to load: {exc}")
+            last_error = exc
+    assert last_error is not None
+    raise last_error
+
+
+def _candidates(fmt: str, registry: Registry) -> list[Candidate]:
+    out = []
+    for info in registry.backends().values():
+        reasons: list[str] = []
+        blockers: list[str] = []
+        if fmt in info.cls.formats:
+            reasons.append(f"reads {fmt}")
+        else:
+            blockers.append(f"does not read {fmt} (reads {', '.join(sorted(info.cls.formats))})")
+        avail = info.availability()
+        if avail.available:
+            reasons.append(f"installed{f' ({avail.version})' if avail.version else ''}")
+        else:
+            hint = f"; install: {avail.install_hint}" if avail.install_hint else ""
+            blockers.append(f"unavailable: {avail.reason}{hint}")
+        out.append(Candidate(info.name, info.source, not blockers, tuple(reasons), tuple(blockers)))
+    return out

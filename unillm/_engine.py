@@ -1,0 +1,510 @@
+"""The Engine base class: the contract every backend implements.
+
+A backend writes a handful of small methods (``_load``, ``_encode``, ``_stream``, ``_close`` and
+the tokenizer pair); everything a user calls is derived here once: ``stream`` wraps ``_stream``
+with parameter validation, stop strings, max-token accounting, usage and timings; ``generate`` is a
+fold over ``stream``; ``chat`` renders the chat template and streams; the async methods mirror the
+sync ones through a worker thread. Backends that cannot batch are serialized by a lock, so callers
+from many threads (or asyncio tasks) never interleave inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from unillm._errors import (
+    ConfigError,
+    EngineClosed,
+    GenerationError,
+    UnillmError,
+    UnsupportedParameter,
+)
+from unillm._stop import StopMatcher
+from unillm._types import (
+    Availability,
+    Capabilities,
+    ChatMessage,
+    Chunk,
+    Completion,
+    EngineConfig,
+    FinishReason,
+    KVStats,
+    SamplingParams,
+    Suitability,
+    Timings,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from unillm._auto import Selection
+
+__all__ = ["Engine", "NoOptions", "Request", "UnillmWarning"]
+
+Prompt = str | Sequence[int]
+Messages = Sequence[ChatMessage | Mapping[str, Any]]
+P = TypeVar("P")
+
+
+class UnillmWarning(UserWarning):
+    """Warnings unillm emits about misuse (dropped parameters, skipped plugins)."""
+
+
+class NoOptions(BaseModel):
+    """A backend without load options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Request:
+    """Per-request bookkeeping a backend's ``_stream`` fills in as it learns things.
+
+    ``prompt_tokens`` must be set; the rest are optional. ``prefill_s``/``decode_s`` come from the
+    engine's own counters when it has them (otherwise unillm's wall clock is used).
+    """
+
+    __slots__ = ("cached_tokens", "decode_s", "finish_reason", "prefill_s", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.prefill_s: float | None = None
+        self.decode_s: float | None = None
+
+
+RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+
+
+class Engine(Generic[P]):
+    """Base class of every backend. Subclass it, fill the class data, write ``_stream``.
+
+    Class data a backend declares:
+
+    - ``name``: the backend's registry name (``"llama.cpp"``).
+    - ``formats``: model formats it reads (``{"gguf"}``).
+    - ``capabilities``: what it can do, including the sampling parameters it honours.
+    - ``Options``: a pydantic model (``extra="forbid"``) of its load options.
+    - ``install_hint``: the command that installs its engine.
+    """
+
+    name: ClassVar[str] = ""
+    formats: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    install_hint: ClassVar[str | None] = None
+
+    # ---- discovery (class level, cheap: never imports the engine) ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        """Whether this backend can run here. Must not import the engine."""
+        return Availability(True)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
+        """How well this backend fits; the default only checks the model format."""
+        fmt = getattr(model, "format", None)
+        if fmt in cls.formats:
+            return Suitability(1.0, reasons=(f"reads {fmt}",))
+        return Suitability(0.0, blockers=(f"does not read {fmt} (reads {', '.join(sorted(cls.formats))})",))
+
+    # ---- lifecycle ----
+
+    def __init__(self, config: EngineConfig | Mapping[str, Any] | None = None, /, **kwargs: Any):
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif isinstance(config, Mapping):
+            config = EngineConfig(**{**config, **kwargs})
+        elif kwargs:
+            config = EngineConfig(**{**config.model_dump(exclude_unset=True), **kwargs})
+        self.config: EngineConfig = config
+        self.options: P = self._validate_options(config.options_for(self.name))  # type: ignore[assignment]
+        self.selection: Selection | None = None
+        self._loaded = False
+        self._busy_lock = threading.Lock()
+        self._busy_owner: int | None = None
+
+    @classmethod
+    def _validate_options(cls, options: Mapping[str, Any]) -> BaseModel:
+        try:
+            return cls.Options(**options)
+        except ValidationError as exc:
+            known = ", ".join(cls.Options.model_fields) or "(none)"
+            err = ConfigError.from_validation(exc, f"{cls.name} options")
+            raise ConfigError(f"{err}\nvalid {cls.name} options: {known}") from exc
+
+    def load(self) -> Self:
+        """Load the model (the heavy import happens here). Returns the engine, loaded."""
+        if not self._loaded:
+            self._load()
+            self._loaded = True
+        return self
+
+    def close(self) -> None:
+        """Free the model and its memory. Safe to call twice."""
+        if self._loaded:
+            self._loaded = False
+            self._close()
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
+    def __enter__(self) -> Self:
+        return self.load()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> Self:
+        return await asyncio.to_thread(self.load)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._loaded else "not loaded"
+        return f"<{type(self).__name__} {self.name!r} model={self.config.model!r} {state}>"
+
+    # ---- what a backend implements ----
+
+    def _load(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Release the engine; the default drops nothing."""
+
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> Any:
+        """Prepare a prompt before any engine work (tokenize, check the context); runs eagerly in
+        ``stream()`` so bad prompts fail at the call, not at the first ``next()``."""
+        return prompt
+
+    def _stream(self, prepared: Any, params: SamplingParams, req: Request) -> Iterator[RawPiece]:
+        """Yield ``(text_delta, token_ids, logprobs_or_None)`` per step; fill ``req``.
+
+        Stop at EOS (``req.finish_reason = "stop"``) or at ``params.max_tokens``
+        (``"length"``). When the consumer stops early, the generator is closed: clean up in a
+        ``finally``. Stop strings and usage are handled by the caller.
+        """
+        raise NotImplementedError
+
+    def _chat_template(self) -> str | None:
+        """The model's own chat template, if it has one."""
+        return None
+
+    def _special_tokens(self) -> dict[str, str]:
+        """Special token strings the chat template may use (``bos_token``, ``eos_token``)."""
+        return {}
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as this engine sees them (special tokens parsed)."""
+        raise NotImplementedError(f"{self.name} does not expose its tokenizer")
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        raise NotImplementedError(f"{self.name} does not expose its tokenizer")
+
+    def kv_stats(self) -> KVStats:
+        """The KV cache now; fields the engine cannot tell are None."""
+        return KVStats()
+
+    def reset(self) -> None:
+        """Empty the KV cache, so the next request evaluates its whole prompt. Default: no-op."""
+
+    # ---- derived: what users call ----
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Iterator[Chunk]:
+        """Stream a completion of ``prompt`` (text or token ids), one ``Chunk`` per step.
+
+        The last chunk carries ``finish_reason``, ``usage`` and ``timings``. Breaking out of the
+        loop stops generation at the next token and leaves the engine usable.
+        """
+        if not self._loaded:
+            raise EngineClosed(f"{self.name}: call load() (or use `with`) before generating")
+        sp = self._params(params, overrides)
+        if not isinstance(prompt, str) and not self.capabilities.token_prompts:
+            raise ConfigError(f"{self.name} takes text prompts only")
+        prepared = self._encode(prompt, sp)
+        return self._drive(prepared, sp)
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Completion:
+        """The whole completion of ``prompt``: a fold over ``stream``."""
+        return _fold(self.stream(prompt, params, **overrides))
+
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+        """The prompt text ``messages`` become under the chat template (sandboxed Jinja)."""
+        from unillm._chat import render_chat_template
+
+        template = self.config.chat_template or self._chat_template()
+        if template is None:
+            raise ConfigError(
+                f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
+                "template) in the engine config, or use generate() with a plain prompt"
+            )
+        msgs = [ChatMessage.coerce(m) for m in messages]
+        if not msgs:
+            raise ConfigError("chat() needs at least one message")
+        return render_chat_template(
+            template, msgs, add_generation_prompt=add_generation_prompt, **self._special_tokens()
+        )
+
+    def stream_chat(
+        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Iterator[Chunk]:
+        """Stream the assistant's reply to ``messages``."""
+        return self.stream(self.render_chat(messages), params, **overrides)
+
+    def chat(
+        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Completion:
+        """The assistant's whole reply to ``messages``."""
+        return _fold(self.stream_chat(messages, params, **overrides))
+
+    # ---- async mirrors: the sync path in a worker thread ----
+
+    async def astream(
+        self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> AsyncIterator[Chunk]:
+        """Async ``stream``. Cancelling the consuming task stops generation at the next token."""
+        gen = await asyncio.to_thread(self.stream, prompt, params, **overrides)
+        async for chunk in _iterate_in_thread(gen):
+            yield chunk
+
+    async def agenerate(
+        self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Completion:
+        """Async ``generate``."""
+        return await _afold(self.astream(prompt, params, **overrides))
+
+    async def astream_chat(
+        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> AsyncIterator[Chunk]:
+        """Async ``stream_chat``."""
+        async for chunk in self.astream(self.render_chat(messages), params, **overrides):
+            yield chunk
+
+    async def achat(
+        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Completion:
+        """Async ``chat``."""
+        return await _afold(self.astream_chat(messages, params, **overrides))
+
+    # ---- the shared machinery ----
+
+    def _params(
+        self, params: SamplingParams | Mapping[str, Any] | None, overrides: Mapping[str, Any]
+    ) -> SamplingParams:
+        if params is None:
+            sp = SamplingParams(**overrides)
+        elif isinstance(params, SamplingParams):
+            sp = (
+                params
+                if not overrides
+                else SamplingParams(**{**params.model_dump(exclude_unset=True), **overrides})
+            )
+        elif isinstance(params, Mapping):
+            sp = SamplingParams(**{**params, **overrides})
+        else:
+            raise ConfigError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        supported = self.capabilities.sampling
+        unsupported = [n for n in sp.non_default() if n not in supported]
+        if not unsupported:
+            return sp
+        policy = self.config.unsupported_params
+        if policy == "strict":
+            raise UnsupportedParameter(self.name, unsupported)
+        if policy == "warn":
+            warnings.warn(
+                f"{self.name} ignores {', '.join(unsupported)} (unsupported_params='warn')",
+                UnillmWarning,
+                stacklevel=3,
+            )
+        fields = SamplingParams.model_fields
+        return sp.model_copy(update={n: fields[n].default for n in unsupported})
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        if self.capabilities.batching:
+            yield
+            return
+        me = threading.get_ident()
+        if self._busy_owner == me:
+            raise GenerationError(
+                f"{self.name} runs one sequence at a time and this thread already has a stream "
+                "open on it; finish or close() that stream first"
+            )
+        with self._busy_lock:
+            self._busy_owner = me
+            try:
+                yield
+            finally:
+                self._busy_owner = None
+
+    def _drive(self, prepared: Any, params: SamplingParams) -> Iterator[Chunk]:
+        # The per-token path: keep it to a few attribute loads and one Chunk per step.
+        with self._busy():
+            req = Request()
+            t0 = perf_counter()
+            first = 0.0
+            n = 0
+            max_tokens = params.max_tokens
+            stops = StopMatcher(params.stop) if params.stop else None
+            finish: FinishReason | None = None
+            tail_text, tail_ids, tail_lp = "", (), None
+            raw = self._stream(prepared, params, req)
+            try:
+                for text, ids, lp in raw:
+                    if not first:
+                        first = perf_counter()
+                    n += len(ids)
+                    out = text if stops is None else stops.feed(text)
+                    if stops is not None and stops.stopped:
+                        finish, tail_text, tail_ids, tail_lp = "stop", out, ids, lp
+                        break
+                    if n >= max_tokens:
+                        finish, tail_text, tail_ids, tail_lp = "length", out, ids, lp
+                        break
+                    yield Chunk(out, ids, None, None, None, lp)
+                else:
+                    finish = req.finish_reason or "stop"
+            except UnillmError:
+                raise
+            except Exception as exc:
+                raise GenerationError(f"{self.name} failed while generating: {exc}") from exc
+            finally:
+                raw.close()
+            end = perf_counter()
+            if stops is not None and not stops.stopped:
+                tail_text += stops.flush()
+            yield Chunk(
+                tail_text,
+                tail_ids,
+                finish,
+                Usage(req.prompt_tokens, n, req.cached_tokens),
+                _timings(req, t0, first or end, end, n),
+                tail_lp,
+            )
+
+
+def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timings:
+    ttft = first - t0
+    if req.prefill_s is not None and req.decode_s is not None:
+        prefill, decode, source = req.prefill_s, req.decode_s, "engine"
+    else:
+        prefill, decode, source = ttft, end - first, "wall"
+    cached = req.cached_tokens or 0
+    evaluated = req.prompt_tokens - cached
+    return Timings(
+        ttft_s=ttft,
+        prefill_s=prefill,
+        decode_s=decode,
+        total_s=end - t0,
+        prefill_tokens_per_s=evaluated / prefill if prefill > 0 and evaluated > 0 else None,
+        # the first token comes out of prefill; decode makes the other n - 1
+        decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else None,
+        source=source,  # type: ignore[arg-type]
+    )
+
+
+def _fold(chunks: Iterator[Chunk]) -> Completion:
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    last: Chunk | None = None
+    for last in chunks:
+        parts.append(last.text)
+        ids.extend(last.token_ids)
+        if last.logprobs is not None:
+            lps.extend(last.logprobs)
+    return _completion(parts, ids, lps, last)
+
+
+async def _afold(chunks: AsyncIterator[Chunk]) -> Completion:
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    last: Chunk | None = None
+    async for last in chunks:
+        parts.append(last.text)
+        ids.extend(last.token_ids)
+        if last.logprobs is not None:
+            lps.extend(last.logprobs)
+    return _completion(parts, ids, lps, last)
+
+
+def _completion(parts: list[str], ids: list[int], lps: list[float], last: Chunk | None) -> Completion:
+    if last is None or last.finish_reason is None or last.usage is None or last.timings is None:
+        raise GenerationError("the stream ended without its final chunk")
+    return Completion(
+        "".join(parts), tuple(ids), last.finish_reason, last.usage, last.timings, tuple(lps) if lps else None
+    )
+
+
+_DONE = object()
+
+
+async def _iterate_in_thread(gen: Iterator[Chunk]) -> AsyncIterator[Chunk]:
+    """Run a sync chunk iterator in a worker thread, handing chunks to the event loop.
+
+    When the consumer stops (cancelled, or breaks out), the worker is told to stop and closes the
+    generator in its own thread at the next token, which releases the engine.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stop = threading.Event()
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone; nobody is listening
+            stop.set()
+
+    def work() -> None:
+        try:
+            for chunk in gen:
+                if stop.is_set():
+                    break
+                put(chunk)
+        except BaseException as exc:
+            put(_Raised(exc))
+        finally:
+            gen.close()  # type: ignore[attr-defined]
+            put(_DONE)
+
+    worker = loop.run_in_executor(None, work)
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                break
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        if worker.done():
+            worker.result()
+
+
+class _Raised:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc

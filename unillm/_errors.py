@@ -1,0 +1,174 @@
+"""Every error a user of unillm can catch.
+
+::
+
+    UnillmError                      base of everything below
+    ├── ConfigError (ValueError)     a config, option or sampling value is invalid
+    │   ├── UnknownBackend           no backend is registered under that name
+    │   └── UnsupportedParameter     the backend cannot honour a sampling parameter (policy "strict")
+    ├── BackendUnavailable (ImportError)  the engine is not installed or cannot use this machine
+    ├── NoSuitableBackend            no registered backend can run this model here
+    ├── ModelFormatError             the model file or directory is not in a format unillm can read
+    ├── ModelLoadError               the engine failed to load a model it should read
+    │   └── ModelNotFound (FileNotFoundError)  the model path does not exist
+    ├── OutOfMemory (MemoryError)    weights or KV cache do not fit
+    ├── ContextLengthExceeded        prompt (+ max_tokens) is longer than the loaded context
+    ├── GenerationError              the engine failed while generating
+    ├── EngineClosed                 the engine was used after close() or before load()
+    └── PluginError                  a plugin failed to import or register (reported, then skipped)
+
+Every message says what to do next. Engine exceptions are translated at the backend boundary with
+``raise ... from exc`` so the original stays available as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+__all__ = [
+    "BackendUnavailable",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "EngineClosed",
+    "GenerationError",
+    "ModelFormatError",
+    "ModelLoadError",
+    "ModelNotFound",
+    "NoSuitableBackend",
+    "OutOfMemory",
+    "PluginError",
+    "UnillmError",
+    "UnknownBackend",
+    "UnsupportedParameter",
+]
+
+
+class UnillmError(Exception):
+    """Base class of every error unillm raises on purpose."""
+
+
+class ConfigError(UnillmError, ValueError):
+    """A config value, backend option or sampling parameter is invalid."""
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError, what: str) -> ConfigError:
+        """Turn a pydantic ``ValidationError`` into one readable message naming each bad field."""
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+            if err["type"] == "extra_forbidden":
+                lines.append(f"  {loc}: unknown field")
+            else:
+                lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+        return cls(f"invalid {what}:\n" + "\n".join(lines))
+
+
+class UnknownBackend(ConfigError):
+    """No backend is registered under the requested name."""
+
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        self.name = name
+        self.known = list(known)
+        super().__init__(
+            f"no backend named {name!r}; registered backends: {', '.join(self.known) or '(none)'}. "
+            "Run `unillm backends` to list them, or install the plugin that provides it."
+        )
+
+
+class UnsupportedParameter(ConfigError):
+    """A sampling parameter was set that the backend cannot honour (policy ``strict``)."""
+
+    def __init__(self, backend: str, params: Sequence[str]) -> None:
+        self.backend = backend
+        self.params = list(params)
+        super().__init__(
+            f"backend {backend!r} does not support {', '.join(self.params)}. Leave them at their "
+            "defaults, or set unsupported_params='warn' or 'drop' in the engine config to ignore them."
+        )
+
+
+class BackendUnavailable(UnillmError, ImportError):
+    """The backend's engine is not installed, or cannot use this machine."""
+
+    def __init__(self, backend: str, reason: str, install_hint: str | None = None) -> None:
+        self.backend = backend
+        self.reason = reason
+        self.install_hint = install_hint
+        msg = f"backend {backend!r} is unavailable: {reason}"
+        if install_hint:
+            msg += f". Install it with: {install_hint}"
+        super().__init__(msg)
+
+
+class NoSuitableBackend(UnillmError):
+    """No registered backend can run this model on this machine; ``rejected`` says why for each."""
+
+    def __init__(self, model: str, rejected: Sequence[tuple[str, str]]) -> None:
+        self.model = model
+        self.rejected = list(rejected)
+        lines = "\n".join(f"  - {name}: {why}" for name, why in self.rejected) or "  (none registered)"
+        super().__init__(
+            f"no backend can run {model!r} here. Candidates considered:\n{lines}\n"
+            "Install a backend that reads this format (see `unillm backends`), or pass backend=..."
+        )
+
+
+class ModelFormatError(UnillmError):
+    """The model path is not a format unillm recognises, or its file is corrupt."""
+
+
+class ModelLoadError(UnillmError):
+    """The engine failed to load the model."""
+
+
+class ModelNotFound(ModelLoadError, FileNotFoundError):
+    """The model path does not exist."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"model not found: {path!r}. Pass the path of a .gguf file or of a model directory "
+            "(config.json + weights); unillm never downloads weights."
+        )
+
+
+class OutOfMemory(UnillmError, MemoryError):
+    """Weights or KV cache do not fit: try a smaller context, fewer GPU layers or a smaller quant."""
+
+
+class ContextLengthExceeded(UnillmError, ValueError):
+    """The prompt (plus the requested new tokens) does not fit in the loaded context window."""
+
+    def __init__(self, prompt_tokens: int, context_length: int, max_tokens: int | None = None) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        self.max_tokens = max_tokens
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens does not fit the context window of "
+            f"{context_length} tokens. Shorten the prompt or load the model with a larger "
+            "context_length."
+        )
+
+
+class GenerationError(UnillmError):
+    """The engine failed while generating."""
+
+
+class EngineClosed(UnillmError):
+    """The engine is not loaded: call ``load()`` (or use ``with``) first, and not after ``close()``."""
+
+
+class PluginError(UnillmError):
+    """A plugin failed to import or to register its backends."""
+
+    def __init__(self, plugin: str, reason: str) -> None:
+        self.plugin = plugin
+        self.reason = reason
+        super().__init__(
+            f"plugin {plugin!r} failed and was skipped: {reason}. Reinstall or upgrade it, or "
+            "uninstall it; `unillm doctor` lists plugin failures."
+        )

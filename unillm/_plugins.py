@@ -1,0 +1,184 @@
+"""Backend discovery: the built-ins plus every plugin in the ``unillm`` entry-point group.
+
+A ``Registry`` owns one pluggy ``PluginManager``. Plugins are loaded one at a time and each hook
+implementation is called on its own, so a plugin that fails to import or to register is recorded
+in ``Registry.failures``, reported with a ``UnillmWarning`` and skipped; the others keep working.
+Nothing here imports an engine: backends are registered as classes from cheap modules.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import warnings
+from dataclasses import dataclass
+from functools import partial
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from unillm import hookspecs
+from unillm._errors import ConfigError, PluginError, UnknownBackend
+
+if TYPE_CHECKING:
+    from unillm._engine import Engine
+    from unillm._types import Availability
+
+__all__ = ["BackendInfo", "PluginFailure", "Registry", "backends", "default_registry", "normalize_name"]
+
+ENTRY_POINT_GROUP = "unillm"
+BUILTIN = "builtin"
+
+
+def normalize_name(name: str) -> str:
+    """``"llama.cpp"``, ``"llama-cpp"`` and ``"LlamaCpp"`` all name the same backend."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A registered backend: its class and where it came from (``"builtin"`` or the plugin)."""
+
+    name: str
+    cls: type[Engine]
+    source: str
+
+    def availability(self) -> Availability:
+        """Whether it can run here; a backend whose check crashes is reported unavailable."""
+        from unillm._types import Availability
+
+        try:
+            return self.cls.available()
+        except Exception as exc:
+            return Availability(False, f"its availability check failed: {exc!r}")
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that was skipped, and why."""
+
+    plugin: str
+    reason: str
+
+
+class Registry:
+    """The backends known to one plugin manager. Tests make their own; apps use the default."""
+
+    def __init__(self, *, builtins: bool = True, entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self.pm.add_hookspecs(hookspecs)
+        self.failures: list[PluginFailure] = []
+        self._backends: dict[str, BackendInfo] = {}
+        self._collected: set[str] = set()
+        if builtins:
+            import unillm.engines as builtin_backends
+
+            self.pm.register(builtin_backends, name=BUILTIN)
+        if entry_points:
+            self._load_entry_points()
+        self._collect()
+
+    # ---- loading ----
+
+    def _load_entry_points(self) -> None:
+        seen: set[tuple[str, str]] = set()
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if (ep.name, ep.value) in seen:
+                continue
+            seen.add((ep.name, ep.value))
+            try:
+                plugin = ep.load()
+                self.pm.register(plugin, name=ep.name)
+            except Exception as exc:
+                self._fail(ep.name, f"import of {ep.value!r} failed: {exc!r}")
+
+    def register_plugin(self, plugin: ModuleType | object, name: str | None = None) -> None:
+        """Register a plugin object (a module or any object with hook implementations)."""
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:
+            self._fail(name or repr(plugin), f"registration failed: {exc!r}")
+            return
+        self._collect()
+
+    def register_backend(self, cls: type[Engine], source: str = "direct") -> None:
+        """Register one backend class directly (tests, notebooks)."""
+        self._add(cls, source=source, strict=True)
+
+    def _collect(self) -> None:
+        # in registration order, so built-ins claim their names first
+        for impl in self.pm.hook.unillm_register_backends.get_hookimpls():
+            if impl.plugin_name in self._collected:
+                continue
+            self._collected.add(impl.plugin_name)
+            try:
+                impl.function(register=partial(self._add, source=impl.plugin_name))
+            except Exception as exc:
+                self._fail(impl.plugin_name, f"unillm_register_backends raised {exc!r}")
+
+    def _add(self, cls: Any, *, source: str, strict: bool = False) -> None:
+        from unillm._engine import Engine
+
+        problem = None
+        if not (isinstance(cls, type) and issubclass(cls, Engine)):
+            problem = f"register() takes an Engine subclass, got {cls!r}"
+        elif not cls.name:
+            problem = f"{cls.__name__} has no `name`"
+        elif normalize_name(cls.name) == "ollama":
+            problem = "unillm does not wrap Ollama (see docs/concepts.md)"
+        elif normalize_name(cls.name) in self._backends:
+            have = self._backends[normalize_name(cls.name)]
+            problem = f"backend name {cls.name!r} is already registered by {have.source}"
+        if problem is None:
+            self._backends[normalize_name(cls.name)] = BackendInfo(cls.name, cls, source)
+        elif strict:
+            raise ConfigError(problem)
+        else:
+            self._fail(source, problem)
+
+    def _fail(self, plugin: str, reason: str) -> None:
+        failure = PluginFailure(plugin, reason)
+        self.failures.append(failure)
+        from unillm._engine import UnillmWarning
+
+        warnings.warn(str(PluginError(plugin, reason)), UnillmWarning, stacklevel=4)
+
+    # ---- queries ----
+
+    def names(self) -> list[str]:
+        return [info.name for info in self._backends.values()]
+
+    def backends(self) -> dict[str, BackendInfo]:
+        """Every registered backend by name, in registration order (built-ins first)."""
+        return {info.name: info for info in self._backends.values()}
+
+    def get(self, name: str) -> type[Engine]:
+        """The backend class registered as ``name`` (any spelling ``normalize_name`` accepts)."""
+        key = normalize_name(name)
+        if key == "ollama":
+            raise ConfigError(
+                "unillm does not wrap Ollama: it hides the engine's settings and is not a serving "
+                "engine. Use backend='llama.cpp' for GGUF models."
+            )
+        try:
+            return self._backends[key].cls
+        except KeyError:
+            raise UnknownBackend(name, self.names()) from None
+
+
+_default: Registry | None = None
+
+
+def default_registry(*, refresh: bool = False) -> Registry:
+    """The process-wide registry, built on first use (plugins are loaded once)."""
+    global _default  # noqa: PLW0603 - one lazily built registry per process
+    if _default is None or refresh:
+        _default = Registry()
+    return _default
+
+
+def backends(*, refresh: bool = False) -> dict[str, BackendInfo]:
+    """Every registered backend, built-in or plugin, by name. ``info.availability()`` says
+    whether it can run on this machine."""
+    return default_registry(refresh=refresh).backends()

@@ -1,0 +1,57 @@
+"""Stop strings that stay correct while streaming.
+
+A stop string can straddle tokens ("<|e" + "nd|>"), so text that might be the start of one is held
+back until the next piece settles it. The stop text itself is never emitted. Only the held-back
+tail plus the new piece is searched, so the cost per token does not grow with the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["StopMatcher"]
+
+
+class StopMatcher:
+    """Feed text pieces in; get back what is safe to emit, and whether a stop string was hit."""
+
+    __slots__ = ("_held", "_longest", "_stops", "stopped")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Add ``text``; return what can be emitted now. Sets ``stopped`` when a stop string ends
+        the completion (the returned text is then everything before it)."""
+        buf = self._held + text
+        cut = -1
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            self._held = ""
+            self.stopped = True
+            return buf[:cut]
+        hold = self._partial_suffix(buf)
+        if hold:
+            self._held = buf[-hold:]
+            return buf[:-hold]
+        self._held = ""
+        return buf
+
+    def flush(self) -> str:
+        """The held-back text, once no more pieces will come."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
+        for n in range(min(self._longest - 1, len(buf)), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0

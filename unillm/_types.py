@@ -1,0 +1,272 @@
+"""The values unillm passes around.
+
+Two kinds, on purpose: pydantic models validate what users hand in (``SamplingParams``,
+``EngineConfig``), once per request or load; slotted frozen dataclasses carry what comes out
+(``Chunk`` once per token, ``Completion``, ``Usage``, ``Timings``, ``KVStats``) and cost next to
+nothing to create. No engine type (a tensor, an ``mx.array``) ever appears in a public field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from unillm._errors import ConfigError
+
+__all__ = [
+    "Availability",
+    "Capabilities",
+    "ChatMessage",
+    "Chunk",
+    "Completion",
+    "EngineConfig",
+    "FinishReason",
+    "KVStats",
+    "SamplingParams",
+    "Suitability",
+    "Timings",
+    "Usage",
+]
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+UnsupportedPolicy = Literal["strict", "warn", "drop"]
+
+
+class _Validated(BaseModel):
+    """A pydantic model whose validation errors are ``ConfigError``s naming the bad fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, type(self).__name__) from exc
+
+
+class SamplingParams(_Validated):
+    """How to sample one completion. Defaults mean "off"; a backend refuses what it cannot do.
+
+    A parameter left at its default is never reported as unsupported; one set to anything else is
+    checked against the backend's ``capabilities.sampling`` and handled by the config's
+    ``unsupported_params`` policy (``strict`` raises ``UnsupportedParameter``).
+    """
+
+    max_tokens: int = Field(256, ge=1, description="Most new tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 is off.")
+    top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; None is off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top one.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="Multiplicative; 1 is off.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Additive, OpenAI-style.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Additive, OpenAI-style.")
+    seed: int | None = Field(None, description="Seed for this request's sampler.")
+    stop: tuple[str, ...] = Field((), description="Strings that end the completion; never emitted.")
+    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the completion.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Return the chosen token's logprob.")
+    logit_bias: dict[int, float] | None = Field(None, description="Token id -> added logit.")
+    response_format: dict[str, Any] | None = Field(None, description="JSON schema to follow.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return (value,)
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def non_default(self) -> list[str]:
+        """Names of the fields set to something other than their default."""
+        fields = type(self).model_fields
+        return [name for name in fields if getattr(self, name) != fields[name].default]
+
+
+class EngineConfig(_Validated):
+    """What to load and how. Build it in code, from a dict, a TOML file or the environment.
+
+    ``options`` are the backend's own load options (validated by its ``Options`` model);
+    ``backend_options`` holds per-backend tables, so one config file can carry settings for
+    every engine and ``UNILLM_BACKEND`` can swap between them without editing the file.
+    """
+
+    model: str = Field(description="Path of a .gguf file or a model directory.")
+    backend: str | None = Field(None, description="Backend name; None lets auto_engine choose.")
+    context_length: int | None = Field(None, ge=16, description="Context window to allocate.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Backend load options.")
+    backend_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-backend options, keyed by backend name."
+    )
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the model's.")
+    unsupported_params: UnsupportedPolicy = Field(
+        "strict", description="What to do with a sampling parameter the backend cannot honour."
+    )
+
+    def options_for(self, backend: str) -> dict[str, Any]:
+        """``options`` merged under the ``backend_options`` table of ``backend``, if any."""
+        from unillm._plugins import normalize_name
+
+        merged = dict(self.options)
+        for name, table in self.backend_options.items():
+            if normalize_name(name) == normalize_name(backend):
+                merged.update(table)
+        return merged
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn. Plain ``{"role": ..., "content": ...}`` dicts are accepted everywhere too."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+    @classmethod
+    def coerce(cls, message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
+        if isinstance(message, ChatMessage):
+            return message
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ConfigError(
+                f"a chat message needs 'role' and 'content', got {message!r}; "
+                "pass [{'role': 'user', 'content': '...'}]"
+            )
+        role, content = message["role"], message["content"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ConfigError(f"unknown chat role {role!r}; use 'system', 'user', 'assistant' or 'tool'")
+        if not isinstance(content, str):
+            raise ConfigError(f"chat content must be a string, got {type(content).__name__}")
+        return cls(role, content)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request. ``cached_prompt_tokens`` is None when the engine cannot tell."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Where one request's time went, in seconds. Rates are tokens per second, None when undefined.
+
+    ``ttft_s`` is measured by unillm from the call to the first token; ``prefill_s`` and
+    ``decode_s`` come from the engine's own counters where it has them (``source`` says which).
+    """
+
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    prefill_tokens_per_s: float | None
+    decode_tokens_per_s: float | None
+    source: Literal["engine", "wall"] = "wall"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of a streamed completion: created once per token, so it stays small.
+
+    ``finish_reason``, ``usage`` and ``timings`` are set on the last chunk only.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole completion: the fold of a stream."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """The KV cache as the engine sees it. None means the engine cannot tell, never zero.
+
+    ``capacity_tokens`` is what the cache can hold, ``used_tokens`` what it holds now;
+    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x bytes per element.
+    """
+
+    capacity_tokens: int | None = None
+    used_tokens: int | None = None
+    bytes_per_token: int | None = None
+    capacity_bytes: int | None = None
+    used_bytes: int | None = None
+    block_size: int | None = None
+    total_blocks: int | None = None
+    used_blocks: int | None = None
+    dtype: str | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def utilization(self) -> float | None:
+        if not self.capacity_tokens or self.used_tokens is None:
+            return None
+        return self.used_tokens / self.capacity_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do, declared as class data so the selector and docs can read it."""
+
+    sampling: frozenset[str] = frozenset({"max_tokens", "temperature"})
+    stream: bool = True
+    chat: bool = True
+    token_prompts: bool = True
+    batching: bool = False
+    lora: bool = False
+    embeddings: bool = False
+    devices: frozenset[str] = frozenset({"cpu"})
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether a backend can run here, and if not, why and how to fix it."""
+
+    available: bool
+    reason: str = ""
+    install_hint: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Suitability:
+    """How well a backend fits a model, machine and workload; higher scores win.
+
+    ``blockers`` make the backend ineligible; ``reasons`` explain the score either way.
+    """
+
+    score: float
+    reasons: tuple[str, ...] = ()
+    blockers: tuple[str, ...] = field(default=())

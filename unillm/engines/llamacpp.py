@@ -1,0 +1,458 @@
+"""llama.cpp through llama-cpp-python: GGUF models on CPUs, Apple GPUs and one NVIDIA/AMD GPU.
+
+The adapter drives llama.cpp's token loop itself (evaluate, sample, decode one token) instead of
+``Llama.create_completion``, which re-detokenizes the whole completion at every token and so slows
+down as the output grows. Prefix reuse is explicit: the longest common prefix with what the KV
+cache already holds is kept, and the cached count is reported in ``Usage``. Prefill and decode
+times come from llama.cpp's own counters.
+
+Never across several GPUs (a hard rule): on a multi-GPU machine the model runs on ``main_gpu``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import importlib.metadata
+import importlib.util
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from unillm._engine import Engine, Request
+from unillm._errors import (
+    BackendUnavailable,
+    ConfigError,
+    ContextLengthExceeded,
+    ModelFormatError,
+    ModelLoadError,
+    OutOfMemory,
+)
+from unillm._inspect import GGUFHeader, read_gguf_header
+from unillm._types import Availability, Capabilities, KVStats, SamplingParams
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+
+__all__ = ["LlamaCppEngine", "LlamaCppOptions"]
+
+INSTALL_HINT = (
+    "pip install 'unillm[llamacpp]'  (builds from source; for NVIDIA GPUs prefix "
+    'CMAKE_ARGS="-DGGML_CUDA=on", for AMD "-DGGML_HIP=on")'
+)
+# KV cache element type -> (ggml type id, bytes per element)
+_KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
+_DEFAULT_CONTEXT = 4096
+
+
+# ---- options ----
+
+
+class LlamaCppOptions(BaseModel):
+    """Load options of the llama.cpp backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_ctx: int | None = Field(
+        None,
+        ge=16,
+        description="Context length; default: the config's context_length, else "
+        f"min(the model's trained context, {_DEFAULT_CONTEXT}).",
+    )
+    n_gpu_layers: int | Literal["auto"] | None = Field(
+        None,
+        description="Layers offloaded to the GPU; -1 = all. Default: all when this build of "
+        "llama.cpp can offload, 0 on CPU. 'auto' behaves as the default until the planner decides.",
+    )
+    main_gpu: int = Field(0, ge=0, description="The one GPU used; llama.cpp never splits a model here.")
+    n_threads: int | None = Field(None, ge=1, description="Threads for decode; default: half the cores.")
+    n_threads_batch: int | None = Field(None, ge=1, description="Threads for prefill; default: all cores.")
+    n_batch: int = Field(512, ge=1, description="Prompt tokens submitted per llama_decode call.")
+    n_ubatch: int = Field(512, ge=1, description="Physical micro-batch size.")
+    flash_attn: bool = Field(False, description="Flash attention; turned on for a quantized KV cache.")
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] = Field("f16", description="KV cache element type.")
+    use_mmap: bool = Field(True, description="Memory-map the weights.")
+    use_mlock: bool = Field(False, description="Lock the weights in RAM.")
+    seed: int | None = Field(None, description="Default sampling seed for requests that set none.")
+    verbose: bool = Field(False, description="Let llama.cpp print its logs to stderr.")
+
+
+class LlamaCppEngine(Engine[LlamaCppOptions]):
+    """GGUF models through llama-cpp-python."""
+
+    name: ClassVar[str] = "llama.cpp"
+    formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=frozenset(
+            {
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "seed",
+                "stop",
+                "stop_token_ids",
+                "ignore_eos",
+                "logprobs",
+                "logit_bias",
+            }
+        ),
+        devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
+    )
+    Options: ClassVar[type[BaseModel]] = LlamaCppOptions
+    install_hint: ClassVar[str | None] = INSTALL_HINT
+
+    # ---- availability ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return Availability(False, "llama-cpp-python is not installed", INSTALL_HINT)
+        try:
+            version = importlib.metadata.version("llama-cpp-python")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return Availability(True, version=version)
+
+    # ---- load ----
+
+    def _load(self) -> None:
+        opts = self.options
+        header = _checked_header(self.config.model)
+        avail = self.available()
+        if not avail.available:
+            raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
+        try:
+            import llama_cpp
+        except (ImportError, OSError) as exc:
+            raise BackendUnavailable(self.name, f"llama_cpp failed to import: {exc}", INSTALL_HINT) from exc
+
+        if opts.n_ctx and self.config.context_length and opts.n_ctx != self.config.context_length:
+            raise ConfigError(
+                f"context_length={self.config.context_length} and options n_ctx={opts.n_ctx} "
+                "disagree; set only one"
+            )
+        trained = header.arch_value("context_length")
+        n_ctx = (
+            opts.n_ctx
+            or self.config.context_length
+            or min(
+                trained if isinstance(trained, int) and trained > 0 else _DEFAULT_CONTEXT, _DEFAULT_CONTEXT
+            )
+        )
+        gpu_layers = opts.n_gpu_layers
+        if gpu_layers is None or gpu_layers == "auto":
+            gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
+        kv_type, _ = _KV_TYPES[opts.kv_cache_type]
+        kwargs: dict[str, Any] = {
+            "n_ctx": n_ctx,
+            "n_gpu_layers": gpu_layers,
+            "split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE,  # one GPU, never split
+            "main_gpu": opts.main_gpu,
+            "n_batch": opts.n_batch,
+            "n_ubatch": min(opts.n_ubatch, opts.n_batch),
+            "flash_attn": opts.flash_attn or opts.kv_cache_type != "f16",
+            "type_k": kv_type,
+            "type_v": kv_type,
+            "use_mmap": opts.use_mmap,
+            "use_mlock": opts.use_mlock,
+            "verbose": opts.verbose,
+        }
+        if opts.n_threads:
+            kwargs["n_threads"] = opts.n_threads
+        if opts.n_threads_batch:
+            kwargs["n_threads_batch"] = opts.n_threads_batch
+        if opts.seed is not None:
+            kwargs["seed"] = opts.seed
+
+        with _LlamaLog(llama_cpp) as log:
+            try:
+                llm = llama_cpp.Llama(model_path=str(self.config.model), **kwargs)
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise _load_error(exc, log.text(), header, self.config.model) from exc
+        self._llm: Llama = llm
+        self._header = header
+        self._vocab = llm._model.vocab
+        self._n_vocab = llm.n_vocab()
+        self._n_ctx = llm.n_ctx()
+        self._eos = llm.token_eos()
+        self._bos_text = (
+            llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
+            if llm.token_bos() >= 0
+            else ""
+        )
+        self._is_eog = llama_cpp.llama_vocab_is_eog
+        self._perf = llama_cpp.llama_perf_context
+        self._perf_reset = llama_cpp.llama_perf_context_reset
+        self._pieces: dict[int, bytes] = {}
+        self._queries = 0
+        self._hits = 0
+        self._kv_dtype = opts.kv_cache_type
+
+    # ---- stream ----
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        llm = self._llm
+        if isinstance(prompt, str):
+            # A chat template that already wrote the BOS text must not get a second BOS.
+            add_special = not (self._bos_text and prompt.startswith(self._bos_text))
+            ids = llm.tokenize(prompt.encode("utf-8"), add_bos=add_special, special=True)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self._n_vocab]
+            if bad:
+                raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{self._n_vocab - 1})")
+        if not ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if len(ids) >= self._n_ctx:
+            raise ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+        return ids
+
+    def _stream(
+        self, ids: list[int], params: SamplingParams, req: Request
+    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+        llm, ctx = self._llm, self._llm._ctx
+        n_prompt = len(ids)
+        req.prompt_tokens = n_prompt
+
+        # Keep the longest prefix the KV cache already holds; re-evaluate at least one token so
+        # the logits are fresh.
+        held = llm.n_tokens
+        cached = 0
+        limit = min(held, n_prompt - 1)
+        input_ids = llm.input_ids
+        while cached < limit and input_ids[cached] == ids[cached]:
+            cached += 1
+        if cached and not ctx.kv_cache_seq_rm(-1, cached, -1):
+            cached = 0
+        llm.n_tokens = cached
+        req.cached_tokens = cached
+        self._queries += 1
+        self._hits += cached > 0
+
+        sampler = self._sampler(params)
+        perf_reset, perf = self._perf_reset, self._perf
+        perf_reset(ctx.ctx)
+        try:
+            llm.eval(ids[cached:])
+        except Exception as exc:
+            llm.n_tokens = 0
+            raise _eval_error(exc) from exc
+        # llama.cpp books its timings when it synchronizes, i.e. at the next sample: the prefill's
+        # time is known after the first sample, each decode step's after the following one.
+        prefill_ms = -1.0
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decode = decoder.decode
+        pieces = self._pieces
+        vocab, is_eog = self._vocab, self._is_eog
+        stop_ids = frozenset(params.stop_token_ids)
+        ignore_eos = params.ignore_eos
+        want_lp = params.logprobs is not None
+        max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
+        n = 0
+        try:
+            while True:
+                tok = sampler.sample(ctx, -1)
+                if prefill_ms < 0:
+                    p = perf(ctx.ctx)
+                    prefill_ms = p.t_p_eval_ms + p.t_eval_ms
+                if (not ignore_eos and is_eog(vocab, tok)) or tok in stop_ids:
+                    req.finish_reason = "stop"
+                    return
+                piece = pieces.get(tok)
+                if piece is None:
+                    piece = pieces[tok] = llm.detokenize([tok])
+                n += 1
+                yield decode(piece), (tok,), (self._logprob(tok),) if want_lp else None
+                if n >= max_tokens:
+                    req.finish_reason = "length"
+                    return
+                llm.eval((tok,))
+        finally:
+            if prefill_ms >= 0:
+                p = perf(ctx.ctx)
+                req.prefill_s = prefill_ms / 1000
+                req.decode_s = (p.t_p_eval_ms + p.t_eval_ms - prefill_ms) / 1000
+            sampler.close()
+
+    def _sampler(self, params: SamplingParams) -> Any:
+        from llama_cpp._internals import LlamaSampler
+
+        s = LlamaSampler()
+        if params.logit_bias:
+            s.add_logit_bias(self._n_vocab, {int(k): float(v) for k, v in params.logit_bias.items()})
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            s.add_penalties(
+                self._n_vocab,
+                64,
+                params.repetition_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
+            )
+        if params.temperature == 0.0:
+            s.add_greedy()
+            return s
+        seed = params.seed if params.seed is not None else self.options.seed
+        if params.top_k:
+            s.add_top_k(params.top_k)
+        if params.top_p < 1.0:
+            s.add_top_p(params.top_p, 1)
+        if params.min_p > 0.0:
+            s.add_min_p(params.min_p, 1)
+        s.add_temp(params.temperature)
+        s.add_dist(seed if seed is not None else 0xFFFFFFFF)  # LLAMA_DEFAULT_SEED: random
+        return s
+
+    def _logprob(self, tok: int) -> float:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self._llm._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
+        top = float(logits.max())
+        return float(logits[tok] - top - np.log(np.exp(logits - top).sum()))
+
+    # ---- chat and tokenizer ----
+
+    def _chat_template(self) -> str | None:
+        template = self._llm.metadata.get("tokenizer.chat_template")
+        return template or None
+
+    def _special_tokens(self) -> dict[str, str]:
+        llm = self._llm
+
+        def text(tok: int) -> str:
+            return llm.detokenize([tok], special=True).decode("utf-8", "replace") if tok >= 0 else ""
+
+        return {"bos_token": text(llm.token_bos()), "eos_token": text(llm.token_eos())}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
+
+    # ---- kv_stats ----
+
+    def kv_stats(self) -> KVStats:
+        h = self._header
+        layers = h.arch_value("block_count")
+        heads = h.arch_value("attention.head_count")
+        kv_heads = h.arch_value("attention.head_count_kv") or heads
+        embd = h.arch_value("embedding_length")
+        k_len = h.arch_value("attention.key_length") or (embd // heads if embd and heads else None)
+        v_len = h.arch_value("attention.value_length") or k_len
+        bpt = None
+        if all(isinstance(x, int) for x in (layers, kv_heads, k_len, v_len)):
+            bpt = round(layers * kv_heads * (k_len + v_len) * _KV_TYPES[self._kv_dtype][1])
+        used = self._llm.n_tokens
+        return KVStats(
+            capacity_tokens=self._n_ctx,
+            used_tokens=used,
+            bytes_per_token=bpt,
+            capacity_bytes=bpt * self._n_ctx if bpt else None,
+            used_bytes=bpt * used if bpt else None,
+            dtype=self._kv_dtype,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    def reset(self) -> None:
+        """Empty the KV cache (the next request evaluates its whole prompt)."""
+        with self._busy():
+            self._llm.reset()
+            self._llm._ctx.kv_cache_clear()
+
+    # ---- close ----
+
+    def _close(self) -> None:
+        llm = self.__dict__.pop("_llm", None)
+        if llm is not None:
+            llm.close()
+
+
+# ---- error map ----
+
+
+def _checked_header(model: str) -> GGUFHeader:
+    path = Path(model)
+    header = read_gguf_header(path)  # ModelNotFound / ModelFormatError
+    if header.truncated:
+        raise ModelFormatError(
+            f"{model!r} is truncated: its tensors end at byte {header.data_end} but the file has "
+            f"{header.file_size} bytes. Download or convert it again."
+        )
+    return header
+
+
+def _load_error(exc: Exception, log: str, header: GGUFHeader, model: str) -> Exception:
+    detail = log.strip().splitlines()[-3:] if log.strip() else [str(exc)]
+    why = " | ".join(line.strip() for line in detail)
+    lower = (log + str(exc)).lower()
+    if "unknown model architecture" in lower:
+        return ModelFormatError(
+            f"this llama.cpp build does not support the architecture {header.architecture!r} of "
+            f"{model!r}; upgrade llama-cpp-python or use another backend ({why})"
+        )
+    if any(s in lower for s in ("failed to allocate", "out of memory", "unable to allocate", "cudamalloc")):
+        return OutOfMemory(
+            f"llama.cpp could not allocate memory for {model!r} ({why}); use a smaller context "
+            "length, fewer GPU layers (n_gpu_layers) or kv_cache_type='q8_0'"
+        )
+    if "failed to create llama_context" in lower:
+        return OutOfMemory(
+            f"llama.cpp could not create a context for {model!r} ({why}); most often the KV cache "
+            "does not fit: use a smaller context length or kv_cache_type='q8_0'"
+        )
+    return ModelLoadError(f"llama.cpp failed to load {model!r}: {why}")
+
+
+def _eval_error(exc: Exception) -> Exception:
+    text = str(exc)
+    if "returned 1" in text or "kv" in text.lower():
+        return OutOfMemory(f"llama.cpp found no room in the KV cache ({text}); use a larger context")
+    from unillm._errors import GenerationError
+
+    return GenerationError(f"llama.cpp failed to evaluate the prompt: {text}")
+
+
+class _LlamaLog:
+    """Collect llama.cpp's log lines while loading, so load errors can say what llama.cpp said."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, llama_cpp: Any) -> None:
+        self._lc = llama_cpp
+        self._lines: list[str] = []
+
+    def __enter__(self) -> _LlamaLog:
+        import ctypes
+
+        self._lock.acquire()
+        lines = self._lines
+        from llama_cpp import _logger
+
+        self._forward = _logger.llama_log_callback
+
+        @self._lc.llama_log_callback
+        def collect(level: int, text: bytes, user_data: Any) -> None:
+            lines.append(text.decode("utf-8", "replace"))
+            self._forward(level, text, user_data)
+
+        self._callback = collect  # keep the C callback alive while installed
+        self._lc.llama_log_set(collect, ctypes.c_void_p(0))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ctypes
+
+        self._lc.llama_log_set(self._forward, ctypes.c_void_p(0))
+        self._lock.release()
+
+    def text(self) -> str:
+        return "".join(self._lines)

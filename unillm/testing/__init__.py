@@ -1,0 +1,38 @@
+"""Test doubles and fixtures for unillm users and plugin authors.
+
+- ``MockEngine``: an engine driven by a plain function, for testing code that uses unillm.
+- ``build_tiny_model`` / ``tiny_model``: tiny random-weight Llama models (HF dir + GGUF) built
+  here, so real engines can be tested offline.
+- ``check_engine``: the conformance checks every backend must pass.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "MockEngine": "unillm.testing._mock",
+    "check_engine": "unillm.testing._conformance",
+    "build_tiny_model": "unillm.testing._tiny",
+    "tiny_model": "unillm.testing._tiny",
+    "TinyModel": "unillm.testing._tiny",
+    "TinySpec": "unillm.testing._tiny",
+    "SIZES": "unillm.testing._tiny",
+}
+__all__ = [
+    "MockEngine",
+    "SIZES",
+    "TinyModel",
+    "TinySpec",
+    "build_tiny_model",
+    "check_engine",
+    "tiny_model",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unillm.testing' has no attribute {name!r}")
+    return getattr(import_module(module), name)
