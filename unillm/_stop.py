@@ -32,15 +32,16 @@ class StopMatcher:
             i = buf.find(stop)
             if i != -1 and (cut == -1 or i < cut):
                 cut = i
+        # A longer stop may still complete from an earlier position ("bc" of "bcc" before the
+        # "c" that already matched): then nothing past that position is settled yet.
+        hold = self._partial_start(buf, len(buf) if cut == -1 else cut)
+        if hold != -1:
+            self._held = buf[hold:]
+            return buf[:hold]
+        self._held = ""
         if cut != -1:
-            self._held = ""
             self.stopped = True
             return buf[:cut]
-        hold = self._partial_suffix(buf)
-        if hold:
-            self._held = buf[-hold:]
-            return buf[:-hold]
-        self._held = ""
         return buf
 
     def flush(self) -> str:
@@ -48,10 +49,14 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
+    def _partial_start(self, buf: str, before: int) -> int:
+        """Earliest index < ``before`` from which the rest of ``buf`` is a proper prefix of a stop
+        string (so it may still become one), or -1."""
         for n in range(min(self._longest - 1, len(buf)), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
+            start = len(buf) - n
+            if start >= before:
+                break
+            tail = buf[start:]
+            if any(len(s) > n and s.startswith(tail) for s in self._stops):
+                return start
+        return -1

@@ -399,7 +399,10 @@ def _load_error(exc: Exception, log: str, header: GGUFHeader, model: str) -> Exc
             f"this llama.cpp build does not support the architecture {header.architecture!r} of "
             f"{model!r}; upgrade llama-cpp-python or use another backend ({why})"
         )
-    if any(s in lower for s in ("failed to allocate", "out of memory", "unable to allocate", "cudamalloc")):
+    if any(
+        s in lower
+        for s in ("failed to allocate", "out of memory", "unable to allocate", "cudamalloc", "bad_alloc")
+    ):
         return OutOfMemory(
             f"llama.cpp could not allocate memory for {model!r} ({why}); use a smaller context "
             "length, fewer GPU layers (n_gpu_layers) or kv_cache_type='q8_0'"

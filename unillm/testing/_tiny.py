@@ -240,7 +240,18 @@ def _permute_rope(w: Any, n_head: int) -> Any:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_json: str, name: str) -> None:
+def _write_gguf(
+    path: Path,
+    spec: TinySpec,
+    tensors: dict[str, Any],
+    tokenizer_json: str,
+    name: str,
+    *,
+    chat_template: str | None = CHAT_TEMPLATE,
+    arch: str = "llama",
+) -> None:
+    """Write the GGUF. ``chat_template`` and ``arch`` are overridable so tests can plant a hostile
+    template or an architecture llama.cpp does not know."""
     import gguf
 
     tok = json.loads(tokenizer_json)
@@ -257,7 +268,7 @@ def _write_gguf(path: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_j
     ]
 
     tmp = path.with_suffix(".gguf.partial")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(f"unillm-tiny-{name}")
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
@@ -281,7 +292,8 @@ def _write_gguf(path: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_j
     w.add_eos_token_id(vocab[EOS])
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
     for layer in range(spec.num_layers):
@@ -310,6 +322,13 @@ def _write_gguf(path: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_j
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_variant_gguf(path: str | Path, size: Literal["small", "bench"] = "small", **overrides: Any) -> Path:
+    """Write the tiny GGUF with ``chat_template=`` or ``arch=`` overridden (for error tests)."""
+    spec = SIZES[size]
+    _write_gguf(Path(path), spec, _weights(spec), _train_tokenizer(spec.vocab_size), size, **overrides)
+    return Path(path)
 
 
 def file_digest(path: str | Path) -> str:

@@ -1,0 +1,133 @@
+"""Config from a dict, a TOML file and the environment; the environment swaps the backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from unillm import ConfigError, EngineConfig, ModelNotFound, Registry, load_engine, read_config
+from unillm.testing import MockEngine
+
+
+class AnyOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Alpha(MockEngine):
+    """A test backend that replies with its name and the options it received."""
+
+    name = "alpha"
+    formats = frozenset({"gguf"})
+    Options = AnyOptions
+
+    def __init__(self, config=None, **kw):  # type: ignore[no-untyped-def]
+        super().__init__(lambda _p, _s: f"{self.name}:{self.options.model_dump()}", config, **kw)
+
+
+class Beta(Alpha):
+    name = "beta"
+
+
+@pytest.fixture
+def registry() -> Registry:
+    reg = Registry(builtins=False, entry_points=False)
+    reg.register_backend(Alpha)
+    reg.register_backend(Beta)
+    return reg
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("UNILLM_MODEL", "UNILLM_BACKEND", "UNILLM_CONTEXT_LENGTH", "UNILLM_OPTIONS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_from_dict(tiny_gguf: Path, registry: Registry) -> None:
+    e = load_engine({"model": str(tiny_gguf), "backend": "alpha", "context_length": 128}, registry=registry)
+    assert e.name == "alpha" and e.loaded and e.config.context_length == 128
+    assert e.selection is not None and e.selection.chosen_by == "config"
+
+
+def test_from_toml_with_per_backend_options(tmp_path: Path, tiny_gguf: Path, registry: Registry) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").write_bytes(tiny_gguf.read_bytes())
+    cfg = tmp_path / "unillm.toml"
+    cfg.write_text(
+        'model = "models/m.gguf"\nbackend = "alpha"\n'
+        "[options]\nshared = 1\n"
+        "[backend_options.alpha]\nonly_alpha = true\n"
+        "[backend_options.beta]\nonly_beta = true\n"
+    )
+    e = load_engine(cfg, registry=registry)
+    assert e.config.model == str(tmp_path / "models" / "m.gguf")  # relative to the file
+    assert e.generate("x").text == "alpha:{'shared': 1, 'only_alpha': True}"
+
+
+def test_env_overrides_swap_the_backend_without_code_changes(
+    tmp_path: Path, tiny_gguf: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "unillm.toml"
+    cfg.write_text(f'model = "{tiny_gguf}"\nbackend = "alpha"\n[backend_options.beta]\nonly_beta = 2\n')
+    monkeypatch.setenv("UNILLM_BACKEND", "beta")
+    monkeypatch.setenv("UNILLM_OPTIONS", '{"threads": 3}')
+    e = load_engine(cfg, registry=registry)
+    assert e.name == "beta"
+    assert e.selection is not None and e.selection.chosen_by == "environment"
+    assert e.generate("x").text == "beta:{'threads': 3, 'only_beta': 2}"
+
+
+def test_env_model_and_context(monkeypatch: pytest.MonkeyPatch, tiny_gguf: Path) -> None:
+    monkeypatch.setenv("UNILLM_MODEL", str(tiny_gguf))
+    monkeypatch.setenv("UNILLM_CONTEXT_LENGTH", "321")
+    cfg = read_config({"model": "elsewhere.gguf", "context_length": 64})
+    assert cfg.model == str(tiny_gguf) and cfg.context_length == 321
+
+
+def test_precedence_file_then_code_then_env() -> None:
+    env = {"UNILLM_BACKEND": "from-env"}
+    cfg = read_config(
+        {"model": "m", "backend": "from-file", "context_length": 32}, env=env, context_length=64
+    )
+    assert (cfg.backend, cfg.context_length) == ("from-env", 64)
+
+
+def test_malformed_toml_is_a_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "x\nbackend = \n')
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        read_config(bad)
+
+
+def test_unknown_config_field_is_refused() -> None:
+    with pytest.raises(ConfigError, match="modle: unknown field"):
+        EngineConfig(model="m", modle="typo")  # type: ignore[call-arg]
+
+
+def test_missing_model_path(registry: Registry, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound, match="never downloads"):
+        load_engine({"model": str(tmp_path / "nope.gguf"), "backend": "alpha"}, registry=registry)
+
+
+def test_no_model_at_all() -> None:
+    with pytest.raises(ConfigError, match="UNILLM_MODEL"):
+        read_config({}, env={})
+
+
+def test_not_a_toml_path_says_what_to_call(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="auto_engine"):
+        read_config(tmp_path / "model.gguf")
+
+
+def test_bad_env_options_json() -> None:
+    with pytest.raises(ConfigError, match="JSON object"):
+        read_config({"model": "m"}, env={"UNILLM_OPTIONS": "[1, 2]"})
+
+
+def test_unknown_backend_option_is_refused_with_the_valid_ones(tiny_gguf: Path) -> None:
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    with pytest.raises(ConfigError, match="n_treads: unknown field") as err:
+        LlamaCppEngine(model=str(tiny_gguf), options={"n_treads": 2})
+    assert "n_threads" in str(err.value)

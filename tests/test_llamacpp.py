@@ -1,0 +1,353 @@
+"""The llama.cpp backend against the real llama-cpp-python, on the tiny GGUF."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unillm import (
+    BackendUnavailable,
+    ContextLengthExceeded,
+    ModelFormatError,
+    ModelNotFound,
+    OutOfMemory,
+    SamplingParams,
+    auto_engine,
+)
+from unillm.testing import TinyModel, check_engine
+from unillm.testing._tiny import CHAT_TEMPLATE, write_variant_gguf
+
+from .conftest import needs_llama_cpp
+
+pytestmark = needs_llama_cpp
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def raw(tiny_gguf: Path) -> Any:
+    """llama-cpp-python used directly, as a user would without unillm."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(tiny_gguf), n_ctx=512, n_threads=2, verbose=False)
+    yield llm
+    llm.close()
+
+
+def raw_greedy(llm: Any, prompt: str, n: int) -> list[int]:
+    import llama_cpp
+
+    tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    out: list[int] = []
+    for tok in llm.generate(tokens, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) == n:
+            break
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "Once upon a time", "0 1 2 3 4 5 6 7 8 9"])
+def test_greedy_is_token_identical_to_llama_cpp_python(llama: Any, raw: Any, prompt: str) -> None:
+    ours = llama.generate(prompt, GREEDY)
+    assert list(ours.token_ids) == raw_greedy(raw, prompt, GREEDY.max_tokens)
+    assert len(ours.token_ids) == GREEDY.max_tokens
+
+
+def test_token_id_prompts(llama: Any) -> None:
+    ids = llama.tokenize(PROMPT)
+    assert llama.generate(ids, GREEDY).token_ids == llama.generate(PROMPT, GREEDY).token_ids
+
+
+def test_seeded_sampling_is_reproducible(llama: Any) -> None:
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, max_tokens=24)
+    a = llama.generate(PROMPT, p, seed=7).token_ids
+    b = llama.generate(PROMPT, p, seed=7).token_ids
+    c = llama.generate(PROMPT, p, seed=8).token_ids
+    assert a == b
+    assert a != c
+    assert a != llama.generate(PROMPT, GREEDY).token_ids  # it really sampled
+
+
+def test_penalties_and_logit_bias_change_the_output(llama: Any) -> None:
+    base = llama.generate(PROMPT, GREEDY).token_ids
+    assert llama.generate(PROMPT, GREEDY, repetition_penalty=1.5, frequency_penalty=1.0).token_ids != base
+    banned = base[0]
+    biased = llama.generate(PROMPT, GREEDY, logit_bias={banned: -100.0}).token_ids
+    assert biased[0] != banned
+    forced = llama.generate(PROMPT, GREEDY, logit_bias={17: 100.0}).token_ids
+    assert set(forced) == {17}
+
+
+def test_stop_string_across_token_boundaries(llama: Any) -> None:
+    chunks = list(llama.stream(PROMPT, GREEDY))
+    pieces = [c.text for c in chunks if c.text]
+    full = "".join(pieces)
+    # a stop string made of the end of one token and the start of the next
+    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    want = full[: full.find(stop)]
+    cut = list(llama.stream(PROMPT, GREEDY, stop=[stop]))
+    assert "".join(c.text for c in cut) == want
+    assert all(stop not in c.text for c in cut)
+    assert cut[-1].finish_reason == "stop"
+
+
+def test_max_tokens_eos_and_stop_token_ids(llama: Any) -> None:
+    assert llama.generate(PROMPT, GREEDY, max_tokens=5).finish_reason == "length"
+    eos = llama._llm.token_eos()
+    ended = llama.generate(PROMPT, GREEDY, logit_bias={eos: 100.0})
+    assert (ended.finish_reason, ended.token_ids, ended.text) == ("stop", (), "")
+    ignored = llama.generate(PROMPT, GREEDY, logit_bias={eos: 100.0}, ignore_eos=True, max_tokens=3)
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 3
+    base = llama.generate(PROMPT, GREEDY).token_ids
+    stopped = llama.generate(PROMPT, GREEDY, stop_token_ids=[base[3]])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == base[: base.index(base[3])]
+
+
+def test_usage_and_engine_timings(llama: Any) -> None:
+    llama.reset()
+    done = llama.generate("The quick brown fox jumps over the lazy dog. " * 4, GREEDY)
+    assert done.usage.prompt_tokens == len(
+        llama.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
+    )
+    assert done.usage.completion_tokens == 24 and done.usage.cached_prompt_tokens == 0
+    t = done.timings
+    assert t.source == "engine"
+    assert t.prefill_s > 0 and t.decode_s > 0
+    assert t.prefill_tokens_per_s and t.decode_tokens_per_s
+    assert 0 < t.ttft_s <= t.total_s
+
+
+def test_logprobs(llama: Any) -> None:
+    done = llama.generate(PROMPT, GREEDY, logprobs=0)
+    assert done.logprobs is not None and len(done.logprobs) == len(done.token_ids)
+    assert all(lp <= 0.0 for lp in done.logprobs)
+
+
+def test_chat_uses_the_gguf_template(llama: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    rendered = llama.render_chat(messages)
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCapital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    reply = llama.chat(messages, GREEDY)
+    assert reply.usage.prompt_tokens == len(llama.tokenize(rendered))
+    assert reply.token_ids == llama.generate(rendered, GREEDY).token_ids
+    streamed = "".join(c.text for c in llama.stream_chat(messages, GREEDY))
+    assert streamed == reply.text
+
+
+MALICIOUS = [
+    "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{% for m in messages %}{{ m.content.__class__.__base__.__subclasses__() }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", MALICIOUS)
+def test_a_malicious_template_in_a_gguf_is_refused(
+    tmp_path: Path, template: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = write_variant_gguf(tmp_path / "evil.gguf", chat_template=template)
+    with auto_engine(path, context_length=128) as engine:
+        with pytest.raises(ModelFormatError, match="unsafe"):
+            engine.chat([{"role": "user", "content": "hi"}], GREEDY)
+        assert engine.generate(PROMPT, GREEDY).token_ids  # the engine itself is fine
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_no_template_is_a_clear_error(tmp_path: Path) -> None:
+    path = write_variant_gguf(tmp_path / "plain.gguf", chat_template=None)
+    from unillm import ConfigError
+
+    with (
+        auto_engine(path, context_length=128) as engine,
+        pytest.raises(ConfigError, match="no chat template"),
+    ):
+        engine.chat([{"role": "user", "content": "hi"}])
+    with auto_engine(path, context_length=128, chat_template=CHAT_TEMPLATE) as engine:
+        assert engine.chat([{"role": "user", "content": "hi"}], GREEDY).usage.prompt_tokens > 0
+
+
+def test_kv_stats_grow_with_the_prompt_and_drop_after_reset(llama: Any) -> None:
+    llama.reset()
+    empty = llama.kv_stats()
+    assert empty.used_tokens == 0 and empty.capacity_tokens == 512
+    spec = (2, 1, 64)  # layers, kv heads, head dim of the small tiny model
+    assert empty.bytes_per_token == 2 * spec[0] * spec[1] * spec[2] * 2  # K and V, f16
+    assert empty.capacity_bytes == empty.bytes_per_token * 512
+    short = llama.generate("one two", GREEDY, max_tokens=1)
+    used_short = llama.kv_stats().used_tokens
+    assert used_short == short.usage.prompt_tokens
+    long = llama.generate("one two three four five six seven eight nine ten", GREEDY, max_tokens=4)
+    stats = llama.kv_stats()
+    assert stats.used_tokens == long.usage.prompt_tokens + 3 > used_short
+    assert stats.used_bytes == stats.used_tokens * stats.bytes_per_token
+    llama.reset()
+    assert llama.kv_stats().used_tokens == 0
+
+
+def test_prefix_reuse_is_visible_in_usage(llama: Any) -> None:
+    llama.reset()
+    ids = llama.tokenize("Once upon a time, there was a small model that wanted to tell stories.")
+    first = llama.generate(ids, GREEDY, max_tokens=4)
+    assert first.usage.cached_prompt_tokens == 0
+    before = llama.kv_stats()
+    again = llama.generate(ids, GREEDY, max_tokens=4)
+    assert again.usage.cached_prompt_tokens == len(ids) - 1  # the last token is re-evaluated
+    assert again.token_ids == first.token_ids
+    # the next turn extends the conversation: everything already evaluated is reused
+    turn = llama.generate([*ids, *first.token_ids[:3]], GREEDY, max_tokens=4)
+    assert turn.usage.cached_prompt_tokens == len(ids) + 2
+    after = llama.kv_stats()
+    assert after.prefix_cache_queries == before.prefix_cache_queries + 2
+    assert after.prefix_cache_hits == before.prefix_cache_hits + 2
+
+
+def test_eight_threads_match_sequential_runs(llama: Any) -> None:
+    prompts = [f"Story number {i}: once upon a time" for i in range(8)]
+    sequential = [llama.generate(p, GREEDY).token_ids for p in prompts]
+    results: dict[int, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = llama.generate(prompts[i], GREEDY).token_ids
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [results[i] for i in range(8)] == sequential
+
+
+def test_async_tasks_are_serialized_too(llama: Any) -> None:
+    import asyncio
+
+    prompts = [f"Task {i} says" for i in range(4)]
+    sequential = [llama.generate(p, GREEDY).token_ids for p in prompts]
+
+    async def main() -> list[tuple[int, ...]]:
+        done = await asyncio.gather(*(llama.agenerate(p, GREEDY) for p in prompts))
+        return [d.token_ids for d in done]
+
+    assert asyncio.run(main()) == sequential
+
+
+def test_a_stream_broken_after_three_tokens_leaves_the_engine_usable(llama: Any) -> None:
+    full = llama.generate(PROMPT, GREEDY)
+    stream = llama.stream(PROMPT, GREEDY)
+    got = [next(stream) for _ in range(3)]
+    stream.close()
+    assert [c.token_ids[0] for c in got] == list(full.token_ids[:3])
+    assert llama.generate(PROMPT, GREEDY).token_ids == full.token_ids
+
+
+def test_conformance(llama: Any) -> None:
+    assert len(check_engine(llama, PROMPT)) >= 7
+
+
+# ---- errors, each with a real bad file ----
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound):
+        auto_engine(tmp_path / "absent.gguf")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"<html>404 not found</html>" + bytes(100))
+    with pytest.raises(ModelFormatError, match="GGUF magic"):
+        auto_engine(bad)
+    with pytest.raises(ModelFormatError, match="not a GGUF"):
+        auto_engine(bad, backend="llama.cpp")
+
+
+def test_truncated_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-1000])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        auto_engine(cut)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = write_variant_gguf(tmp_path / "alien.gguf", arch="alienformer")
+    with pytest.raises(ModelFormatError, match="alienformer"):
+        auto_engine(path)
+
+
+def test_prompt_longer_than_the_context_fails_before_any_eval(llama: Any) -> None:
+    llama.reset()
+    llama.generate("warm", GREEDY, max_tokens=1)
+    used = llama.kv_stats().used_tokens
+    with pytest.raises(ContextLengthExceeded, match="context window of 512") as err:
+        llama.stream("word " * 600, GREEDY)
+    assert err.value.prompt_tokens > 512
+    assert llama.kv_stats().used_tokens == used
+
+
+def test_generation_stops_at_a_full_context(tiny_gguf: Path) -> None:
+    with auto_engine(tiny_gguf, context_length=32) as e:
+        ids = e.tokenize("one two three four five six seven eight nine ten")
+        done = e.generate(ids, GREEDY, max_tokens=1000, ignore_eos=True)
+        assert done.finish_reason == "length"
+        # llama.cpp rounds the context up (to 256 here); kv_stats reports what it really holds
+        capacity = e.kv_stats().capacity_tokens
+        assert capacity is not None and capacity >= 32
+        assert len(ids) + len(done.token_ids) == capacity
+
+
+def test_allocation_failure_is_out_of_memory(tiny_gguf: Path) -> None:
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n_ctx = 1 << max(26, (int(ram * 1.5) // 512).bit_length())  # 512 B/token: more than RAM
+    with pytest.raises(OutOfMemory, match="smaller context"):
+        auto_engine(tiny_gguf, context_length=n_ctx)
+
+
+def test_engine_not_installed(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # how Python spells "not installed"
+    with pytest.raises(BackendUnavailable, match=r"pip install 'unillm\[llamacpp\]'") as err:
+        auto_engine(tiny_gguf, backend="llama.cpp")
+    assert "GGML_CUDA" in str(err.value)
+    from unillm import NoSuitableBackend
+
+    with pytest.raises(NoSuitableBackend, match="llama-cpp-python is not installed"):
+        auto_engine(tiny_gguf)
+
+
+def test_selection_explains_the_choice(tiny_gguf: Path) -> None:
+    with auto_engine(tiny_gguf, context_length=64) as e:
+        assert e.selection is not None
+        text = e.selection.explain()
+        assert "backend: llama.cpp (chosen by auto)" in text
+        assert "+ llama.cpp [builtin]: reads gguf; installed" in text
+
+
+def test_options_reach_llama_cpp(tiny_gguf: Path) -> None:
+    opts = {"n_threads": 1, "n_batch": 64, "kv_cache_type": "q8_0", "use_mmap": False}
+    with auto_engine(tiny_gguf, context_length=256, options=opts) as e:
+        llm = e._llm
+        assert (llm.n_ctx(), llm.n_batch, llm.context_params.n_threads) == (256, 64, 1)
+        assert llm.context_params.type_k == llm.context_params.type_v == 8  # GGML_TYPE_Q8_0
+        stats = e.kv_stats()
+        assert stats.dtype == "q8_0" and stats.bytes_per_token == round(2 * 1 * 128 * 34 / 32)
+        assert e.generate(PROMPT, GREEDY).usage.completion_tokens == 24
+        assert llm.model_params.split_mode == 0  # LLAMA_SPLIT_MODE_NONE: never across GPUs
+
+
+def test_tiny_model_fixture_is_the_small_size(tiny: TinyModel) -> None:
+    assert tiny.spec.num_layers == 2
