@@ -7,8 +7,16 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from unillm import ConfigError, EngineConfig, ModelNotFound, Registry, load_engine, read_config
-from unillm.testing import MockEngine
+from unillm import (
+    ConfigError,
+    EngineConfig,
+    ModelNotFound,
+    Registry,
+    UnillmWarning,
+    load_engine,
+    read_config,
+)
+from unillm.testing import MockEngine, TinyModel
 
 
 class AnyOptions(BaseModel):
@@ -107,7 +115,19 @@ def test_unknown_config_field_is_refused() -> None:
 
 def test_missing_model_path(registry: Registry, tmp_path: Path) -> None:
     with pytest.raises(ModelNotFound, match="never downloads"):
-        load_engine({"model": str(tmp_path / "nope.gguf"), "backend": "alpha"}, registry=registry)
+        load_engine({"model": str(tmp_path / "nope.gguf")}, registry=registry)
+
+
+def test_a_forced_backend_decides_what_it_reads(registry: Registry, tmp_path: Path) -> None:
+    # a plugin may take what unillm cannot detect (a model name on a server, its own format)
+    e = load_engine({"model": "served-model-name", "backend": "alpha"}, registry=registry)
+    assert e.selection is not None and e.selection.format == "unknown"
+
+
+def test_a_forced_backend_for_the_wrong_format_warns(registry: Registry, tiny: TinyModel) -> None:
+    with pytest.warns(UnillmWarning, match="does not list safetensors"):
+        e = load_engine({"model": str(tiny.hf_dir), "backend": "alpha"}, registry=registry)
+    assert e.selection is not None and "does not list safetensors" in e.selection.explain()
 
 
 def test_no_model_at_all() -> None:

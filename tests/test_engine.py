@@ -240,3 +240,13 @@ def test_kv_stats_unknown_fields_are_none() -> None:
     stats = engine().kv_stats()
     assert stats.capacity_tokens == 4096
     assert stats.bytes_per_token is None and stats.prefix_hit_rate is None
+
+
+def test_mock_engine_loads_through_a_registry() -> None:
+    from unillm import Registry, load_engine
+
+    reg = Registry(builtins=False, entry_points=False)
+    reg.register_backend(MockEngine)
+    e = load_engine({"model": "anything", "backend": "mock", "context_length": 64}, registry=reg)
+    assert e.name == "mock" and e.kv_stats().capacity_tokens == 64
+    assert e.generate("q").finish_reason == "stop"

@@ -303,9 +303,8 @@ def test_generation_stops_at_a_full_context(tiny_gguf: Path) -> None:
         ids = e.tokenize("one two three four five six seven eight nine ten")
         done = e.generate(ids, GREEDY, max_tokens=1000, ignore_eos=True)
         assert done.finish_reason == "length"
-        # llama.cpp rounds the context up (to 256 here); kv_stats reports what it really holds
         capacity = e.kv_stats().capacity_tokens
-        assert capacity is not None and capacity >= 32
+        assert capacity == 32  # what was asked for, though llama.cpp rounds its allocation up
         assert len(ids) + len(done.token_ids) == capacity
 
 

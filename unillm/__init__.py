@@ -26,6 +26,7 @@ _LAZY = {
     "detect_format": "unillm._inspect",
     "Engine": "unillm._engine",
     "NoOptions": "unillm._engine",
+    "Request": "unillm._engine",
     "UnillmWarning": "unillm._engine",
     "backends": "unillm._plugins",
     "Registry": "unillm._plugins",
@@ -82,6 +83,7 @@ __all__ = [
     "OutOfMemory",
     "PluginError",
     "Registry",
+    "Request",
     "SamplingParams",
     "Selection",
     "Suitability",
@@ -102,7 +104,7 @@ __all__ = [
 if TYPE_CHECKING:
     from unillm._auto import Candidate, Selection, auto_engine, load_engine
     from unillm._config import read_config
-    from unillm._engine import Engine, NoOptions, UnillmWarning
+    from unillm._engine import Engine, NoOptions, Request, UnillmWarning
     from unillm._errors import (
         BackendUnavailable,
         ConfigError,

@@ -8,14 +8,18 @@ one that reads the format wins; built-ins register first). Whatever chose it, th
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm._config import read_config
+from unillm._engine import UnillmWarning
 from unillm._errors import (
     BackendUnavailable,
+    ModelFormatError,
     ModelLoadError,
+    ModelNotFound,
     NoSuitableBackend,
     OutOfMemory,
 )
@@ -104,22 +108,34 @@ def load_engine(
 
 
 def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
-    fmt = detect_format(cfg.model)
-    candidates = _candidates(fmt, registry)
     if cfg.backend:
         env_backend = os.environ.get("UNILLM_BACKEND", "")
-        by = "environment" if normalize_name(env_backend) == normalize_name(cfg.backend) else "config"
+        by: Literal["config", "environment", "auto"] = (
+            "environment" if normalize_name(env_backend) == normalize_name(cfg.backend) else "config"
+        )
         cls = registry.get(cfg.backend)
         avail = cls.available()
         if not avail.available:
             raise BackendUnavailable(cls.name, avail.reason, avail.install_hint)
+        # A forced backend may read what unillm cannot detect (a plugin's own format, a model
+        # name on a server): the backend itself reports a missing or unreadable model.
+        try:
+            fmt = detect_format(cfg.model)
+        except (ModelFormatError, ModelNotFound):
+            fmt = "unknown"
         order = [cls]
+        selection = Selection(cfg.model, fmt, cls.name, by, _candidates(fmt, registry))
+        if fmt != "unknown" and fmt not in cls.formats:
+            note = f"{cls.name} was asked for, but it does not list {fmt} among its formats"
+            warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
+            selection.steps.append(note)
     else:
-        by = "auto"
+        fmt = detect_format(cfg.model)
+        candidates = _candidates(fmt, registry)
         order = [registry.get(c.name) for c in candidates if c.eligible]
         if not order:
             raise NoSuitableBackend(cfg.model, [(c.name, "; ".join(c.blockers)) for c in candidates])
-    selection = Selection(cfg.model, fmt, order[0].name, by, candidates)
+        selection = Selection(cfg.model, fmt, order[0].name, "auto", candidates)
     last_error: Exception | None = None
     for cls in order:
         engine = cls(cfg)
@@ -128,7 +144,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         try:
             return engine.load()
         except (OutOfMemory, ModelLoadError, BackendUnavailable) as exc:
-            if isinstance(exc, FileNotFoundError):
+            if isinstance(exc, FileNotFoundError) or len(order) == 1:
                 raise
             selection.steps.append(f"{cls.name} failed to load: {exc}")
             last_error = exc

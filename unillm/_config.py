@@ -65,7 +65,13 @@ def read_config(
         raise ConfigError(
             f"a config is an EngineConfig, a dict or the path of a TOML file, got {type(source).__name__}"
         )
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key in ("options", "backend_options") and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}  # merge, as UNILLM_OPTIONS does
+        else:
+            data[key] = value
     from_env = _from_env(os.environ if env is None else env)
     if "options" in from_env:
         from_env["options"] = {**data.get("options", {}), **from_env["options"]}

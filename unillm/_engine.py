@@ -83,6 +83,8 @@ class Request:
 
 
 RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+# Sampling parameters the base class honours for every backend.
+_BASE_HANDLED = frozenset({"max_tokens", "stop"})
 
 
 class Engine(Generic[P]):
@@ -239,8 +241,9 @@ class Engine(Generic[P]):
         sp = self._params(params, overrides)
         if not isinstance(prompt, str) and not self.capabilities.token_prompts:
             raise ConfigError(f"{self.name} takes text prompts only")
+        t0 = perf_counter()
         prepared = self._encode(prompt, sp)
-        return self._drive(prepared, sp)
+        return self._drive(prepared, sp, t0)
 
     def generate(
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
@@ -324,7 +327,7 @@ class Engine(Generic[P]):
         else:
             raise ConfigError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         supported = self.capabilities.sampling
-        unsupported = [n for n in sp.non_default() if n not in supported]
+        unsupported = [n for n in sp.non_default() if n not in supported and n not in _BASE_HANDLED]
         if not unsupported:
             return sp
         policy = self.config.unsupported_params
@@ -357,11 +360,11 @@ class Engine(Generic[P]):
             finally:
                 self._busy_owner = None
 
-    def _drive(self, prepared: Any, params: SamplingParams) -> Iterator[Chunk]:
-        # The per-token path: keep it to a few attribute loads and one Chunk per step.
+    def _drive(self, prepared: Any, params: SamplingParams, t0: float) -> Iterator[Chunk]:
+        # The per-token path: keep it to a few attribute loads and one Chunk per step. t0 is the
+        # call to stream(): TTFT includes tokenizing and any wait for a busy engine.
         with self._busy():
             req = Request()
-            t0 = perf_counter()
             first = 0.0
             n = 0
             max_tokens = params.max_tokens

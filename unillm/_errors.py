@@ -12,7 +12,7 @@
     ├── ModelLoadError               the engine failed to load a model it should read
     │   └── ModelNotFound (FileNotFoundError)  the model path does not exist
     ├── OutOfMemory (MemoryError)    weights or KV cache do not fit
-    ├── ContextLengthExceeded        prompt (+ max_tokens) is longer than the loaded context
+    ├── ContextLengthExceeded (ValueError)  the prompt is longer than the loaded context
     ├── GenerationError              the engine failed while generating
     ├── EngineClosed                 the engine was used after close() or before load()
     └── PluginError                  a plugin failed to import or register (reported, then skipped)

@@ -55,21 +55,21 @@ class SamplingParams(_Validated):
     ``unsupported_params`` policy (``strict`` raises ``UnsupportedParameter``).
     """
 
-    max_tokens: int = Field(256, ge=1, description="Most new tokens to generate.")
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 is off.")
-    top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens; None is off.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top one.")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="Multiplicative; 1 is off.")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Additive, OpenAI-style.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Additive, OpenAI-style.")
-    seed: int | None = Field(None, description="Seed for this request's sampler.")
-    stop: tuple[str, ...] = Field((), description="Strings that end the completion; never emitted.")
-    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end the completion.")
-    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Return the chosen token's logprob.")
-    logit_bias: dict[int, float] | None = Field(None, description="Token id -> added logit.")
-    response_format: dict[str, Any] | None = Field(None, description="JSON schema to follow.")
+    max_tokens: int = Field(default=256, ge=1, description="Most new tokens to generate.")
+    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 is off.")
+    top_k: int | None = Field(default=None, ge=1, description="Keep the k most likely tokens; None is off.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top one.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="Multiplicative; 1 is off.")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Additive, OpenAI-style.")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Additive, OpenAI-style.")
+    seed: int | None = Field(default=None, description="Seed for this request's sampler.")
+    stop: tuple[str, ...] = Field(default=(), description="Strings that end the completion; never emitted.")
+    stop_token_ids: tuple[int, ...] = Field(default=(), description="Token ids that end the completion.")
+    ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="Return the chosen token's logprob.")
+    logit_bias: dict[int, float] | None = Field(default=None, description="Token id -> added logit.")
+    response_format: dict[str, Any] | None = Field(default=None, description="JSON schema to follow.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -100,15 +100,15 @@ class EngineConfig(_Validated):
     """
 
     model: str = Field(description="Path of a .gguf file or a model directory.")
-    backend: str | None = Field(None, description="Backend name; None lets auto_engine choose.")
-    context_length: int | None = Field(None, ge=16, description="Context window to allocate.")
+    backend: str | None = Field(default=None, description="Backend name; None lets auto_engine choose.")
+    context_length: int | None = Field(default=None, ge=16, description="Context window to allocate.")
     options: dict[str, Any] = Field(default_factory=dict, description="Backend load options.")
     backend_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend options, keyed by backend name."
     )
-    chat_template: str | None = Field(None, description="Jinja chat template overriding the model's.")
+    chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's.")
     unsupported_params: UnsupportedPolicy = Field(
-        "strict", description="What to do with a sampling parameter the backend cannot honour."
+        default="strict", description="What to do with a sampling parameter the backend cannot honour."
     )
 
     def options_for(self, backend: str) -> dict[str, Any]:
@@ -163,7 +163,8 @@ class Usage:
 class Timings:
     """Where one request's time went, in seconds. Rates are tokens per second, None when undefined.
 
-    ``ttft_s`` is measured by unillm from the call to the first token; ``prefill_s`` and
+    ``ttft_s`` is measured by unillm from the ``stream()`` call (tokenizing and waiting for a busy
+    engine included) to the first token; ``prefill_s`` and
     ``decode_s`` come from the engine's own counters where it has them (``source`` says which).
     """
 
@@ -240,7 +241,8 @@ class KVStats:
 class Capabilities:
     """What a backend can do, declared as class data so the selector and docs can read it."""
 
-    sampling: frozenset[str] = frozenset({"max_tokens", "temperature"})
+    # max_tokens and stop are honoured by the base class for every backend, listed or not
+    sampling: frozenset[str] = frozenset({"max_tokens", "stop", "temperature"})
     stream: bool = True
     chat: bool = True
     token_prompts: bool = True

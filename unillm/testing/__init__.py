@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "MockEngine": "unillm.testing._mock",
@@ -31,8 +31,20 @@ __all__ = [
 ]
 
 
+if TYPE_CHECKING:
+    from unillm.testing._conformance import check_engine
+    from unillm.testing._mock import MockEngine
+    from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'unillm.testing' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return [*globals(), *_LAZY]

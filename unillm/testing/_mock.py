@@ -44,13 +44,15 @@ class MockEngine(Engine[Any]):
 
     def __init__(
         self,
-        respond: Responder | str = "",
+        respond: Responder | str | EngineConfig = "",
         config: EngineConfig | None = None,
         *,
         capabilities: Capabilities | None = None,
         context_length: int = 4096,
         **kwargs: Any,
     ) -> None:
+        if isinstance(respond, EngineConfig):  # built by a registry: cls(config)
+            config, respond = respond, ""
         if config is None:
             kwargs.setdefault("model", "mock")
             kwargs.setdefault("chat_template", _MOCK_TEMPLATE)

@@ -1,0 +1,68 @@
+"""``ReverseEngine``: replies with the prompt's words in reverse order, one word per token.
+
+No weights and no engine library: only the methods every backend writes. The base class derives
+the rest (stop strings, ``max_tokens``, usage, timings, ``generate``, ``chat``, async).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+from unillm import Capabilities, ConfigError, Engine, ModelNotFound, NoOptions, Request, SamplingParams
+
+__all__ = ["ReverseEngine"]
+
+_WORD = re.compile(r"\s*\S+|\s+")  # a token is a word with the spaces before it
+
+
+class ReverseEngine(Engine[NoOptions]):
+    """Streams the words of the prompt back, last word first."""
+
+    name: ClassVar[str] = "reverse"
+    # A format no model detector reports, so auto_engine never picks this engine on its own.
+    formats: ClassVar[frozenset[str]] = frozenset({"reverse"})
+    # Reversing is deterministic: every temperature gives the greedy answer. Stop strings are
+    # applied by the base class. Any other parameter (top_p, seed, ...) is refused.
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=frozenset({"max_tokens", "temperature", "stop"})
+    )
+
+    def _load(self) -> None:
+        if not Path(self.config.model).expanduser().exists():
+            raise ModelNotFound(self.config.model)
+        self._vocab: dict[str, int] = {}
+        self._words: list[str] = []
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if any(not 0 <= i < len(self._words) for i in ids):
+            raise ConfigError(f"token ids outside the vocabulary (0..{len(self._words) - 1})")
+        return ids
+
+    def _stream(
+        self, ids: list[int], params: SamplingParams, req: Request
+    ) -> Iterator[tuple[str, tuple[int, ...], None]]:
+        req.prompt_tokens = len(ids)
+        words = [w for w in (self._words[i].strip() for i in reversed(ids)) if w]
+        for n, word in enumerate(words[: params.max_tokens]):
+            piece = word if n == 0 else " " + word
+            yield piece, (self._id(piece),), None
+        req.finish_reason = "length" if len(words) > params.max_tokens else "stop"
+
+    def _chat_template(self) -> str:
+        return "{{ messages[-1]['content'] }}"  # reply to the last message only
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self._id(word) for word in _WORD.findall(text)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return "".join(self._words[i] for i in ids)
+
+    def _id(self, word: str) -> int:
+        if word not in self._vocab:
+            self._vocab[word] = len(self._words)
+            self._words.append(word)
+        return self._vocab[word]

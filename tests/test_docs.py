@@ -1,0 +1,113 @@
+"""The docs say what the code does: tables that mirror code are checked against it, so neither can
+change without the other."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import unillm
+import unillm._errors
+import unillm.testing
+from unillm._config import ENV_VARS
+from unillm.engines.llamacpp import LlamaCppOptions
+from unillm.testing import MockEngine, check_engine
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def read(page: str) -> str:
+    return (DOCS / page).read_text(encoding="utf-8")
+
+
+def table(text: str, heading: str) -> list[list[str]]:
+    """The rows (cells stripped, header and rule dropped) of the first table under ``heading``."""
+    section = text.split(f"\n{heading}\n", 1)
+    assert len(section) == 2, f"no {heading!r} section"
+    rows: list[list[str]] = []
+    for line in section[1].splitlines():
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("|"):
+            rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    assert len(rows) > 2, f"no table under {heading!r}"
+    return rows[2:]
+
+
+def code(cell: str) -> str:
+    match = re.fullmatch(r"`([^`]+)`", cell)
+    assert match, f"{cell!r} is not one code span"
+    return match.group(1)
+
+
+def test_every_llamacpp_option_is_documented() -> None:
+    text = read("backends/llamacpp.md")
+    for name in LlamaCppOptions.model_fields:
+        assert f"`{name}`" in text, f"option {name} is missing from docs/backends/llamacpp.md"
+
+
+def test_llamacpp_options_table_matches_the_model() -> None:
+    rows = table(read("backends/llamacpp.md"), "## Options")
+    documented = {code(row[0]): row for row in rows}
+    assert list(documented) == list(LlamaCppOptions.model_fields)  # same names, same order
+    for name, field in LlamaCppOptions.model_fields.items():
+        assert ast.literal_eval(code(documented[name][2])) == field.default, f"default of {name}"
+
+
+def test_every_env_var_is_documented() -> None:
+    text = read("configuration.md")
+    for var in ENV_VARS:
+        assert f"`{var}`" in text, f"{var} is missing from docs/configuration.md"
+
+
+def test_env_var_table_matches_the_code() -> None:
+    rows = table(read("configuration.md"), "## Environment variables")
+    assert {code(r[0]): code(r[1]) for r in rows} == ENV_VARS
+
+
+def test_engine_config_table_matches_the_model() -> None:
+    rows = table(read("configuration.md"), "## EngineConfig")
+    assert [code(r[0]) for r in rows] == list(unillm.EngineConfig.model_fields)
+
+
+def test_api_reference_covers_every_public_name() -> None:
+    text = read("api.md")
+    documented = set(re.findall(r"^::: (\S+)$", text, re.MULTILINE))
+    for name in unillm.__all__:
+        assert f"unillm.{name}" in documented, f"unillm.{name} is missing from docs/api.md"
+    tails = {d.rsplit(".", 1)[1] for d in documented if d.startswith("unillm.testing.")}
+    assert set(unillm.testing.__all__) - {"SIZES"} <= tails
+
+
+def test_concepts_draws_the_error_tree_from_the_code() -> None:
+    doc = unillm._errors.__doc__
+    assert doc is not None
+    start = doc.index("    UnillmError")
+    tree = "\n".join(line.removeprefix("    ") for line in doc[start : doc.index("\n\n", start)].splitlines())
+    assert tree in read("concepts.md")
+
+
+def test_conformance_table_lists_every_check() -> None:
+    rows = table(read("testing.md"), "## The conformance checks")
+    passed = check_engine(MockEngine(lambda prompt, params: "alpha beta gamma delta").load())
+    assert [code(r[0]) for r in rows] == passed
+
+
+def test_nav_lists_every_page_and_only_pages_that_exist() -> None:
+    nav = re.findall(r":\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(encoding="utf-8"), re.MULTILINE)
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    assert sorted(nav) == pages
+
+
+@pytest.mark.parametrize("page", sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")))
+def test_relative_links_resolve(page: str) -> None:
+    # mkdocs checks links between pages; links out of docs/ (to plugins/, examples/) are checked here.
+    source = DOCS / page
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", source.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue
+        assert (source.parent / target).exists(), f"{page} links to {target}, which does not exist"

@@ -1,0 +1,154 @@
+"""Every example runs, as a user would run it, and prints what it promises; the tutorial plugin's
+own tests pass, and the plugin is found through a real entry point."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+PLUGIN = ROOT / "plugins" / "unillm-reverse"
+
+needs_llamacpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A clean environment whose UNILLM_CACHE is shared by the module: the tiny model builds once."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UNILLM_")}
+    clean["UNILLM_CACHE"] = str(tmp_path_factory.mktemp("unillm-cache"))
+    clean.pop("PYTHONPATH", None)
+    return clean
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 300) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def field(out: str, pattern: str) -> list[str]:
+    found = re.findall(pattern, out)
+    assert found, f"{pattern!r} not in output:\n{out}"
+    return found
+
+
+@needs_llamacpp
+@pytest.mark.llamacpp
+def test_quickstart(env: dict[str, str]) -> None:
+    out = run([str(EXAMPLES / "quickstart.py")], env)
+    assert "backend: llama.cpp (chosen by auto)" in out
+    assert re.search(r"\+ llama\.cpp \[builtin\]: reads gguf", out)
+    # the tiny model was built into the module's cache, not the user's
+    assert f"model:   {env['UNILLM_CACHE']}" in out
+    stream_finish, chat_finish = field(out, r"\nfinish: (\w+)")
+    assert stream_finish in ("stop", "length") and chat_finish in ("stop", "length")
+    usages = [tuple(map(int, u)) for u in field(out, r"usage: prompt=(\d+) completion=(\d+) cached=(\d+)")]
+    assert len(usages) == 3
+    (stream_prompt, stream_completion, _), _, (_, _, follow_cached) = usages
+    assert stream_prompt > 0 and 0 < stream_completion <= 24
+    assert follow_cached > 0  # the follow-up chat turn reused the first turn's prefix
+    assert field(out, r"\(source: (\w+)\)") == ["engine"]  # llama.cpp's own counters
+    capacity, used = map(int, field(out, r"kv: capacity=(\d+) used=(\d+)")[0])
+    assert capacity == 512 and 0 < used <= capacity
+    hits, queries = map(int, field(out, r"prefix cache: (\d+) hits of (\d+) queries")[0])
+    assert queries == 3 and hits >= 1
+
+
+@needs_llamacpp
+@pytest.mark.llamacpp
+def test_quickstart_takes_a_model_path(env: dict[str, str], tmp_path: Path) -> None:
+    from unillm.testing import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    out = run([str(EXAMPLES / "quickstart.py"), str(model.gguf_path)], env)
+    assert f"model:   {model.gguf_path} (format: gguf)" in out
+
+
+@needs_llamacpp
+@pytest.mark.llamacpp
+def test_swap_engine_env_overrides_the_file(env: dict[str, str]) -> None:
+    out = run([str(EXAMPLES / "swap_engine.py")], env)
+    lines = {m[0]: m[1] for m in re.findall(r"^\[([^\]]+)\] (.*)$", out, re.MULTILINE)}
+    assert set(lines) == {"file", "UNILLM_MODEL + UNILLM_BACKEND", "UNILLM_BACKEND=no-such-engine"}
+
+    from_file = lines["file"]
+    assert "ran on backend llama.cpp (chosen by config)" in from_file
+    assert re.search(r"model \S+/model\.gguf,", from_file)  # relative to the TOML file
+    assert "options {'n_threads': 1}" in from_file  # the [backend_options."llama.cpp"] table
+
+    overridden = lines["UNILLM_MODEL + UNILLM_BACKEND"]
+    assert "ran on backend llama.cpp (chosen by environment)" in overridden
+    assert f"model {env['UNILLM_CACHE']}" in overridden  # UNILLM_MODEL beat the file's model
+    assert "options {'n_threads': 1}" in overridden
+
+    refused = lines["UNILLM_BACKEND=no-such-engine"]
+    assert refused.startswith("refused: UnknownBackend:") and "'no-such-engine'" in refused
+
+
+def test_minimal_plugin(env: dict[str, str]) -> None:
+    out = run([str(EXAMPLES / "minimal_plugin.py")], env)
+    assert "registered: reverse (from reverse-example)" in out
+    assert "registered: llama.cpp (from builtin)" in out
+    assert "stream: fox| brown| quick| the|\n" in out
+    assert "chat: world plugin hello (finish=stop" in out
+    checks = field(out, r"conformance passed: (.*)")[0].split(", ")
+    assert {"generate-equals-stream", "stop-strings", "async-mirror", "tokenizer-round-trip"} <= set(checks)
+
+
+def test_reverse_plugin_tests_pass(env: dict[str, str]) -> None:
+    plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
+    out = run(["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider"], plugin_env)
+    passed = int(field(out, r"(\d+) passed")[0])
+    assert passed >= 8
+    assert not re.search(r"\d+ (failed|error)", out), out
+
+
+def test_reverse_plugin_is_found_through_its_entry_point(env: dict[str, str], tmp_path: Path) -> None:
+    # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
+    dist_info = tmp_path / "unillm_reverse-0.1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: unillm-reverse\nVersion: 0.1.0\n")
+    (dist_info / "entry_points.txt").write_text("[unillm]\nreverse = unillm_reverse\n")
+    script = (
+        "import unillm\n"
+        "from unillm._plugins import default_registry\n"
+        "for name, info in unillm.backends().items():\n"
+        "    print(f'backend {name} from {info.source}')\n"
+        "print('failures', default_registry().failures)\n"
+        "with unillm.backends()['reverse'].cls({'model': '.'}) as engine:\n"
+        "    print('reply', engine.generate('one two three').text)\n"
+    )
+    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    out = run(["-c", script], plugin_env)
+    assert "backend reverse from reverse" in out
+    assert "backend llama.cpp from builtin" in out  # the plugin sits beside the built-ins
+    assert "failures []" in out
+    assert "reply three two one" in out
+
+
+def test_entry_point_discovery_needs_the_dist_info(env: dict[str, str]) -> None:
+    # The control for the test above: importable is not registered; the entry point is what counts.
+    if any(ep.name == "reverse" for ep in importlib.metadata.entry_points(group="unillm")):
+        pytest.skip("unillm-reverse is installed in this environment")
+    out = run(["-c", "import unillm; print(sorted(unillm.backends()))"], {**env, "PYTHONPATH": str(PLUGIN)})
+    assert "'reverse'" not in out
+    assert "'llama.cpp'" in out
