@@ -333,7 +333,10 @@ def test_selection_explains_the_choice(tiny_gguf: Path) -> None:
         assert e.selection is not None
         text = e.selection.explain()
         assert "backend: llama.cpp (chosen by auto)" in text
-        assert "+ llama.cpp [builtin]: reads gguf; installed" in text
+        assert (
+            "+ llama.cpp [builtin]: reads gguf; uses one GPU at most (never split across GPUs); installed"
+            in text
+        )
 
 
 def test_options_reach_llama_cpp(tiny_gguf: Path) -> None:
@@ -350,3 +353,39 @@ def test_options_reach_llama_cpp(tiny_gguf: Path) -> None:
 
 def test_tiny_model_fixture_is_the_small_size(tiny: TinyModel) -> None:
     assert tiny.spec.num_layers == 2
+
+
+def test_parameters_llama_cpp_cannot_honour_are_refused(llama: Any) -> None:
+    from unillm import UnsupportedParameter
+
+    with pytest.raises(UnsupportedParameter, match="response_format"):
+        llama.generate(PROMPT, GREEDY, response_format={"type": "object"})
+
+
+def test_cancelling_an_async_stream_stops_generation(llama: Any) -> None:
+    import asyncio
+
+    full = llama.generate(PROMPT, GREEDY)
+
+    async def main() -> int:
+        seen = 0
+
+        async def consume() -> None:
+            nonlocal seen
+            async for _ in llama.astream(PROMPT, GREEDY, max_tokens=10_000, ignore_eos=True):
+                seen += 1
+                if seen == 3:
+                    await asyncio.sleep(10)  # cancelled here
+
+        task = asyncio.create_task(consume())
+        while seen < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return seen
+
+    assert asyncio.run(main()) == 3
+    again = llama.generate(PROMPT, GREEDY)  # waits for the worker to stop, then runs normally
+    assert again.token_ids == full.token_ids
+    assert llama.kv_stats().used_tokens < 200

@@ -124,14 +124,14 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         except (ModelFormatError, ModelNotFound):
             fmt = "unknown"
         order = [cls]
-        selection = Selection(cfg.model, fmt, cls.name, by, _candidates(fmt, registry))
+        selection = Selection(cfg.model, fmt, cls.name, by, _candidates(fmt, registry, cfg.model))
         if fmt != "unknown" and fmt not in cls.formats:
             note = f"{cls.name} was asked for, but it does not list {fmt} among its formats"
             warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
             selection.steps.append(note)
     else:
         fmt = detect_format(cfg.model)
-        candidates = _candidates(fmt, registry)
+        candidates = _candidates(fmt, registry, cfg.model)
         order = [registry.get(c.name) for c in candidates if c.eligible]
         if not order:
             raise NoSuitableBackend(cfg.model, [(c.name, "; ".join(c.blockers)) for c in candidates])
@@ -152,15 +152,22 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     raise last_error
 
 
-def _candidates(fmt: str, registry: Registry) -> list[Candidate]:
+@dataclass(frozen=True)
+class _ModelRef:
+    """What the selection knows about the model so far (full inspection comes with the selector)."""
+
+    path: str
+    format: str
+
+
+def _candidates(fmt: str, registry: Registry, model: str = "") -> list[Candidate]:
     out = []
     for info in registry.backends().values():
-        reasons: list[str] = []
-        blockers: list[str] = []
-        if fmt in info.cls.formats:
-            reasons.append(f"reads {fmt}")
-        else:
-            blockers.append(f"does not read {fmt} (reads {', '.join(sorted(info.cls.formats))})")
+        try:
+            fit = info.cls.suitability(None, _ModelRef(model, fmt), None)
+            reasons, blockers = list(fit.reasons), list(fit.blockers)
+        except Exception as exc:  # a plugin's bug must not break selection
+            reasons, blockers = [], [f"its suitability check failed: {exc!r}"]
         avail = info.availability()
         if avail.available:
             reasons.append(f"installed{f' ({avail.version})' if avail.version else ''}")

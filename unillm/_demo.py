@@ -31,9 +31,9 @@ def run_demo(size: str = "small") -> None:
         print()
         if last is not None:
             print(f"usage:   {last.usage}\ntimings: {last.timings}")
-        print("\n== chat: 'What is the capital of France?' ==")
+        print("\n== chat: 'Why is the sky blue?' ==")
         reply: Completion = engine.chat(
-            [{"role": "user", "content": "What is the capital of France?"}], params
+            [{"role": "user", "content": "Why is the sky blue?"}], params
         )
         print(reply.text)
         print(f"finish:  {reply.finish_reason}\nusage:   {reply.usage}\ntimings: {reply.timings}")

@@ -31,7 +31,7 @@ from unillm._errors import (
     OutOfMemory,
 )
 from unillm._inspect import GGUFHeader, read_gguf_header
-from unillm._types import Availability, Capabilities, KVStats, SamplingParams
+from unillm._types import Availability, Capabilities, KVStats, SamplingParams, Suitability
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -127,6 +127,14 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         except importlib.metadata.PackageNotFoundError:
             version = None
         return Availability(True, version=version)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
+        fit = super().suitability(hardware, model, workload)
+        if fit.blockers:
+            return fit
+        # A hard rule of the field: llama.cpp never splits one model across several GPUs.
+        return Suitability(fit.score, (*fit.reasons, "uses one GPU at most (never split across GPUs)"))
 
     # ---- load ----
 
