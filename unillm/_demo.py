@@ -32,9 +32,7 @@ def run_demo(size: str = "small") -> None:
         if last is not None:
             print(f"usage:   {last.usage}\ntimings: {last.timings}")
         print("\n== chat: 'Why is the sky blue?' ==")
-        reply: Completion = engine.chat(
-            [{"role": "user", "content": "Why is the sky blue?"}], params
-        )
+        reply: Completion = engine.chat([{"role": "user", "content": "Why is the sky blue?"}], params)
         print(reply.text)
         print(f"finish:  {reply.finish_reason}\nusage:   {reply.usage}\ntimings: {reply.timings}")
         print("\n== kv_stats ==")

@@ -370,7 +370,9 @@ class Engine(Generic[P]):
             max_tokens = params.max_tokens
             stops = StopMatcher(params.stop) if params.stop else None
             finish: FinishReason | None = None
-            tail_text, tail_ids, tail_lp = "", (), None
+            tail_text: str = ""
+            tail_ids: tuple[int, ...] = ()
+            tail_lp: tuple[float, ...] | None = None
             raw = self._stream(prepared, params, req)
             try:
                 for text, ids, lp in raw:
@@ -392,7 +394,9 @@ class Engine(Generic[P]):
             except Exception as exc:
                 raise GenerationError(f"{self.name} failed while generating: {exc}") from exc
             finally:
-                raw.close()
+                close = getattr(raw, "close", None)  # a generator; a plain iterator has nothing to close
+                if close is not None:
+                    close()
             end = perf_counter()
             if stops is not None and not stops.stopped:
                 tail_text += stops.flush()

@@ -396,7 +396,12 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         k_len = h.arch_value("attention.key_length") or (embd // heads if embd and heads else None)
         v_len = h.arch_value("attention.value_length") or k_len
         bpt = None
-        if all(isinstance(x, int) for x in (layers, kv_heads, k_len, v_len)):
+        if (
+            isinstance(layers, int)
+            and isinstance(kv_heads, int)
+            and isinstance(k_len, int)
+            and isinstance(v_len, int)
+        ):
             bpt = round(layers * kv_heads * (k_len + v_len) * _KV_TYPES[self._kv_dtype][1])
         used = self._llm.n_tokens
         return KVStats(
