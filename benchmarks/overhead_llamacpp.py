@@ -52,6 +52,46 @@ def machine() -> dict[str, Any]:
     }
 
 
+def base_class_cost_us(n: int = 200_000) -> float:
+    """unillm's own per-token cost, isolated: a backend that yields precomputed tokens, streamed
+    through ``Engine.stream`` vs the same generator consumed bare. Median of 5, in microseconds."""
+    from collections.abc import Iterator
+
+    from unillm import Engine, Request, SamplingParams
+
+    piece = ("x", (1,), None)
+
+    def tokens(k: int) -> Iterator[tuple[str, tuple[int, ...], None]]:
+        for _ in range(k):
+            yield piece
+
+    class Null(Engine):  # type: ignore[type-arg]
+        name = "null"
+
+        def _load(self) -> None:
+            pass
+
+        def _stream(
+            self, prepared: object, params: SamplingParams, req: Request
+        ) -> Iterator[tuple[str, tuple[int, ...], None]]:
+            req.prompt_tokens = 1
+            return tokens(params.max_tokens)
+
+    engine = Null(model="null").load()
+    params = SamplingParams(max_tokens=n)
+    bare, wrapped = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in tokens(n):
+            pass
+        bare.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in engine.stream("x", params):
+            pass
+        wrapped.append(time.perf_counter() - t0)
+    return (statistics.median(wrapped) - statistics.median(bare)) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=7, help="runs per contender (median reported; >= 5)")
@@ -150,8 +190,11 @@ def main() -> None:
         plan: dict[str, tuple[Callable[[int], tuple[int, str]], int]], runs: int
     ) -> dict[str, list[float]]:
         samples: dict[str, list[float]] = {k: [] for k in plan}
-        for _ in range(runs):
-            for name, (fn, n) in plan.items():
+        names = list(plan)
+        for r in range(runs):
+            # rotate who goes first, so no contender always pays (or gains from) its position
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                fn, n = plan[name]
                 samples[name].append(timed(fn, n))
         return samples
 
@@ -163,10 +206,10 @@ def main() -> None:
     floor_samples = interleaved({name: (fn, args.tokens) for name, fn in contenders.items()}, 3 * args.runs)
     floor = medians(floor_samples)
     raw_samples = floor_samples["raw loop (Llama.generate)"]
-    paired = {
-        k: statistics.median(r / x for r, x in zip(raw_samples, v, strict=True))
-        for k, v in floor_samples.items()
-    }
+    ratios = {k: sorted(r / x for r, x in zip(raw_samples, v, strict=True)) for k, v in floor_samples.items()}
+    paired = {k: statistics.median(v) for k, v in ratios.items()}
+    spread = {k: (v[len(v) // 4], v[(3 * len(v)) // 4]) for k, v in ratios.items()}
+    base_us = base_class_cost_us()
     hl_check = high_level(args.long)
     if hl_check[0] != args.long:
         sys.exit(f"create_completion produced {hl_check[0]} tokens, want {args.long}")
@@ -203,6 +246,9 @@ def main() -> None:
         "floor_tokens": args.tokens,
         "floor_seconds": floor,
         "floor_speed_vs_raw": paired,
+        "floor_speed_vs_raw_iqr": spread,
+        "base_class_us_per_token": base_us,
+        "raw_us_per_token": raw_t / args.tokens * 1e6,
         "floor_speed_vs_raw_of_medians": {k: raw_t / v for k, v in floor.items()},
         "long_tokens": args.long,
         "long_seconds": long,
@@ -217,12 +263,18 @@ def main() -> None:
 
     print(f"machine: {results['machine']}")
     print(f"model:   {results['model']}")
-    print(f"\n{args.tokens} tokens, greedy, median of {3 * args.runs} interleaved rounds")
+    print(f"\n{args.tokens} tokens, greedy, {3 * args.runs} interleaved rounds (order rotated)")
+    print("  speed vs raw loop = median over rounds of t(raw) / t(contender), with its quartiles")
     for name, sec in floor.items():
         print(
             f"  {name:34s} {sec * 1000:9.2f} ms  {args.tokens / sec:9.0f} tok/s  "
-            f"speed vs raw loop {paired[name]:.3f}x (median of per-round ratios)"
+            f"speed vs raw loop {paired[name]:.3f}x (IQR {spread[name][0]:.3f}-{spread[name][1]:.3f})"
         )
+    per_tok = raw_t / args.tokens * 1e6
+    print(
+        f"  unillm's base class (stop/max-token/usage bookkeeping, one Chunk per token) costs "
+        f"{base_us:.2f} us/token = {base_us / per_tok:.2%} of this model's {per_tok:.0f} us/token"
+    )
     print(f"\n{args.long} tokens")
     for name, sec in long.items():
         print(f"  {name:34s} {sec * 1000:9.2f} ms  {args.long / sec:9.0f} tok/s")

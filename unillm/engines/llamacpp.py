@@ -208,7 +208,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         self._is_eog = llama_cpp.llama_vocab_is_eog
         self._perf = llama_cpp.llama_perf_context
         self._perf_reset = llama_cpp.llama_perf_context_reset
-        self._pieces: dict[int, bytes] = {}
+        self._pieces: dict[int, tuple[bytes, bool]] = {}  # token -> (its bytes, ends generation)
         self._queries = 0
         self._hits = 0
         self._kv_dtype = opts.kv_cache_type
@@ -282,12 +282,13 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 if prefill_ms < 0:
                     p = perf(ctx.ctx)
                     prefill_ms = p.t_p_eval_ms + p.t_eval_ms
-                if (not ignore_eos and is_eog(vocab, tok)) or tok in stop_ids:
+                known = pieces.get(tok)
+                if known is None:  # first sight of this token: ask llama.cpp once, then remember
+                    known = pieces[tok] = (llm.detokenize([tok]), is_eog(vocab, tok))
+                piece, eog = known
+                if (eog and not ignore_eos) or tok in stop_ids:
                     req.finish_reason = "stop"
                     return
-                piece = pieces.get(tok)
-                if piece is None:
-                    piece = pieces[tok] = llm.detokenize([tok])
                 n += 1
                 yield decode(piece), (tok,), (self._logprob(tok),) if want_lp else None
                 if n >= max_tokens:
