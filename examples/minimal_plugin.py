@@ -2,10 +2,10 @@
 
     python examples/minimal_plugin.py
 
-``ReverseEngine`` streams the prompt back word by word, last word first. It is registered on a fresh
+``ShoutEngine`` streams the prompt back word by word, in upper case. It is registered on a fresh
 ``unillm.Registry`` through a hook implementation, exactly as an installed plugin's entry point
 would be, then loaded by name and put through ``unillm.testing.check_engine``, the conformance
-checks every backend passes. plugins/unillm-reverse is the same engine as an installable package.
+checks every backend passes. plugins/unillm-reverse is a plugin of the same shape, packaged.
 
 A backend named in the config is loaded even when ``unillm.detect_format`` does not know what the
 "model" is (here: this script's own path): the backend itself decides what it can read.
@@ -13,29 +13,23 @@ A backend named in the config is loaded even when ``unillm.detect_format`` does 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import unillm
 from unillm import Capabilities, Engine, NoOptions, Request, SamplingParams
-from unillm.testing import check_engine
-
-_WORD = re.compile(r"\s*\S+|\s+")
+from unillm.testing import WordVocab, check_engine
 
 
-class ReverseEngine(Engine[NoOptions]):
-    """Replies with the prompt's words, last first, one word per token."""
+class ShoutEngine(Engine[NoOptions]):
+    """Replies with the prompt's words in upper case, one word per token."""
 
-    name: ClassVar[str] = "reverse"
-    formats: ClassVar[frozenset[str]] = frozenset({"reverse"})
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=frozenset({"max_tokens", "temperature", "stop"})
-    )
+    name: ClassVar[str] = "shout"
+    formats: ClassVar[frozenset[str]] = frozenset({"shout"})
+    capabilities: ClassVar[Capabilities] = Capabilities(sampling=frozenset({"temperature"}))
 
     def _load(self) -> None:
-        self._vocab: dict[str, int] = {}
-        self._words: list[str] = []
+        self._vocab = WordVocab()  # a toy word-level tokenizer; a real engine brings its own
 
     def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         # Runs eagerly inside stream(), so a bad prompt fails at the call.
@@ -45,43 +39,38 @@ class ReverseEngine(Engine[NoOptions]):
         self, ids: list[int], params: SamplingParams, req: Request
     ) -> Iterator[tuple[str, tuple[int, ...], None]]:
         req.prompt_tokens = len(ids)  # the one field a backend must fill
-        words = [w for w in (self._words[i].strip() for i in reversed(ids)) if w]
-        for n, word in enumerate(words[: params.max_tokens]):
-            piece = word if n == 0 else " " + word
-            yield piece, (self._id(piece),), None
-        req.finish_reason = "length" if len(words) > params.max_tokens else "stop"
+        for n, word in enumerate(self._vocab.split(self._vocab.decode(ids).upper())):
+            if n == params.max_tokens:
+                req.finish_reason = "length"
+                return
+            yield word, (self._vocab.id(word),), None
+        req.finish_reason = "stop"
 
     def _chat_template(self) -> str:
         return "{{ messages[-1]['content'] }}"
 
     def tokenize(self, text: str) -> list[int]:
-        return [self._id(w) for w in _WORD.findall(text)]
+        return self._vocab.encode(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return "".join(self._words[i] for i in ids)
-
-    def _id(self, word: str) -> int:
-        if word not in self._vocab:
-            self._vocab[word] = len(self._words)
-            self._words.append(word)
-        return self._vocab[word]
+        return self._vocab.decode(ids)
 
 
-class ReversePlugin:
+class ShoutPlugin:
     """A plugin is any object (usually a module) with hook implementations."""
 
     @unillm.hookimpl
     def unillm_register_backends(self, register: Callable[[type[Engine[Any]]], None]) -> None:
-        register(ReverseEngine)
+        register(ShoutEngine)
 
 
 def main() -> None:
     registry = unillm.Registry(entry_points=False)  # built-ins, and no installed plugins
-    registry.register_plugin(ReversePlugin(), name="reverse-example")
+    registry.register_plugin(ShoutPlugin(), name="shout-example")
     for info in registry.backends().values():
         print(f"registered: {info.name} (from {info.source})")
 
-    engine = unillm.load_engine({"model": __file__, "backend": "reverse"}, registry=registry)
+    engine = unillm.load_engine({"model": __file__, "backend": "shout"}, registry=registry)
     print(f"load_engine: loaded {engine.name!r} through the registry")
 
     with engine:

@@ -106,10 +106,10 @@ def test_swap_engine_env_overrides_the_file(env: dict[str, str]) -> None:
 
 def test_minimal_plugin(env: dict[str, str]) -> None:
     out = run([str(EXAMPLES / "minimal_plugin.py")], env)
-    assert "registered: reverse (from reverse-example)" in out
+    assert "registered: shout (from shout-example)" in out
     assert "registered: llama.cpp (from builtin)" in out
-    assert "stream: fox| brown| quick| the|\n" in out
-    assert "chat: world plugin hello (finish=stop" in out
+    assert "stream: THE| QUICK| BROWN| FOX|\n" in out
+    assert "chat: HELLO PLUGIN WORLD (finish=stop" in out
     checks = field(out, r"conformance passed: (.*)")[0].split(", ")
     assert {"generate-equals-stream", "stop-strings", "async-mirror", "tokenizer-round-trip"} <= set(checks)
 

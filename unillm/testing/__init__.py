@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     "MockEngine": "unillm.testing._mock",
+    "WordVocab": "unillm.testing._mock",
     "check_engine": "unillm.testing._conformance",
     "build_tiny_model": "unillm.testing._tiny",
     "tiny_model": "unillm.testing._tiny",
@@ -28,12 +29,13 @@ __all__ = [
     "build_tiny_model",
     "check_engine",
     "tiny_model",
+    "WordVocab",
 ]
 
 
 if TYPE_CHECKING:
     from unillm.testing._conformance import check_engine
-    from unillm.testing._mock import MockEngine
+    from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from unillm._engine import Engine, Request
 from unillm._types import Capabilities, EngineConfig, KVStats, SamplingParams
 
-__all__ = ["MockEngine"]
+__all__ = ["MockEngine", "WordVocab"]
 
 Responder = Callable[[str, SamplingParams], "str | Iterable[str]"]
 _WORD = re.compile(r"\s*\S+|\s+")
@@ -27,6 +27,38 @@ _MOCK_TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+
+
+class WordVocab:
+    """A toy word-level tokenizer for test engines: a token is a word with the spaces before it,
+    and ids are handed out as words are first seen, so ``decode(encode(x)) == x``."""
+
+    __slots__ = ("_ids", "_words")
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._words: list[str] = []
+
+    def id(self, word: str) -> int:
+        """The id of ``word``, assigning the next free one on first sight."""
+        i = self._ids.get(word)
+        if i is None:
+            i = self._ids[word] = len(self._words)
+            self._words.append(word)
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        return [self.id(w) for w in _WORD.findall(text)]
+
+    def split(self, text: str) -> list[str]:
+        """``text`` cut into its word tokens."""
+        return _WORD.findall(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self._words[i] for i in ids)
+
+    def __len__(self) -> int:
+        return len(self._words)
 
 
 class MockEngine(Engine[Any]):
@@ -61,8 +93,7 @@ class MockEngine(Engine[Any]):
         if capabilities is not None:
             self.capabilities = capabilities  # type: ignore[misc]
         self.context_length = self.config.context_length or context_length
-        self._vocab: dict[str, int] = {}
-        self._pieces: list[str] = []
+        self._vocab = WordVocab()
         self._used = 0
         self.requests: list[str] = []
 
@@ -81,28 +112,21 @@ class MockEngine(Engine[Any]):
         self.requests.append(prepared)
         req.prompt_tokens = len(self.tokenize(prepared))
         reply = self._respond(prepared, params)
-        pieces: Iterable[str] = _WORD.findall(reply) if isinstance(reply, str) else reply
+        pieces: Iterable[str] = self._vocab.split(reply) if isinstance(reply, str) else reply
         self._used = req.prompt_tokens
         for n, piece in enumerate(pieces):
             if n >= params.max_tokens:
                 req.finish_reason = "length"
                 return
             self._used += 1
-            yield piece, (self._id(piece),), None
+            yield piece, (self._vocab.id(piece),), None
         req.finish_reason = "stop"
 
     def tokenize(self, text: str) -> list[int]:
-        return [self._id(p) for p in _WORD.findall(text)]
+        return self._vocab.encode(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return "".join(self._pieces[i] for i in ids)
+        return self._vocab.decode(ids)
 
     def kv_stats(self) -> KVStats:
         return KVStats(capacity_tokens=self.context_length, used_tokens=self._used)
-
-    def _id(self, piece: str) -> int:
-        i = self._vocab.get(piece)
-        if i is None:
-            i = self._vocab[piece] = len(self._pieces)
-            self._pieces.append(piece)
-        return i

@@ -6,16 +6,14 @@ the rest (stop strings, ``max_tokens``, usage, timings, ``generate``, ``chat``, 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 from unillm import Capabilities, ConfigError, Engine, ModelNotFound, NoOptions, Request, SamplingParams
+from unillm.testing import WordVocab
 
 __all__ = ["ReverseEngine"]
-
-_WORD = re.compile(r"\s*\S+|\s+")  # a token is a word with the spaces before it
 
 
 class ReverseEngine(Engine[NoOptions]):
@@ -33,36 +31,29 @@ class ReverseEngine(Engine[NoOptions]):
     def _load(self) -> None:
         if not Path(self.config.model).expanduser().exists():
             raise ModelNotFound(self.config.model)
-        self._vocab: dict[str, int] = {}
-        self._words: list[str] = []
+        self._vocab = WordVocab()  # a toy word-level tokenizer; a real engine brings its own
 
     def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-        if any(not 0 <= i < len(self._words) for i in ids):
-            raise ConfigError(f"token ids outside the vocabulary (0..{len(self._words) - 1})")
+        if any(not 0 <= i < len(self._vocab) for i in ids):
+            raise ConfigError(f"token ids outside the vocabulary (0..{len(self._vocab) - 1})")
         return ids
 
     def _stream(
         self, ids: list[int], params: SamplingParams, req: Request
     ) -> Iterator[tuple[str, tuple[int, ...], None]]:
         req.prompt_tokens = len(ids)
-        words = [w for w in (self._words[i].strip() for i in reversed(ids)) if w]
+        words = [w for w in (self._vocab.decode([i]).strip() for i in reversed(ids)) if w]
         for n, word in enumerate(words[: params.max_tokens]):
             piece = word if n == 0 else " " + word
-            yield piece, (self._id(piece),), None
+            yield piece, (self._vocab.id(piece),), None
         req.finish_reason = "length" if len(words) > params.max_tokens else "stop"
 
     def _chat_template(self) -> str:
         return "{{ messages[-1]['content'] }}"  # reply to the last message only
 
     def tokenize(self, text: str) -> list[int]:
-        return [self._id(word) for word in _WORD.findall(text)]
+        return self._vocab.encode(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return "".join(self._words[i] for i in ids)
-
-    def _id(self, word: str) -> int:
-        if word not in self._vocab:
-            self._vocab[word] = len(self._words)
-            self._words.append(word)
-        return self._vocab[word]
+        return self._vocab.decode(ids)
