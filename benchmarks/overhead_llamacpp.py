@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens for the floor comparison")
     ap.add_argument("--long", type=int, default=400, help="tokens for the create_completion comparison")
     ap.add_argument("--short", type=int, default=50, help="tokens for the flatness check")
+    ap.add_argument("--floor-rounds", type=int, default=60, help="interleaved rounds of the floor comparison")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -201,9 +202,12 @@ def main() -> None:
     def medians(samples: dict[str, list[float]]) -> dict[str, float]:
         return {k: statistics.median(v) for k, v in samples.items()}
 
-    # This machine is shared and noisy (+-30 % run to run): the floor comparison takes 3x the
-    # runs and reports the median of per-round ratios, which cancels drift between rounds.
-    floor_samples = interleaved({name: (fn, args.tokens) for name, fn in contenders.items()}, 3 * args.runs)
+    # This machine is shared and noisy (+-30 % run to run, +-8 % between neighbouring runs): the
+    # floor comparison takes many rounds and reports the median of per-round ratios, which
+    # cancels drift between rounds.
+    floor_samples = interleaved(
+        {name: (fn, args.tokens) for name, fn in contenders.items()}, args.floor_rounds
+    )
     floor = medians(floor_samples)
     raw_samples = floor_samples["raw loop (Llama.generate)"]
     ratios = {k: sorted(r / x for r, x in zip(raw_samples, v, strict=True)) for k, v in floor_samples.items()}
@@ -263,7 +267,7 @@ def main() -> None:
 
     print(f"machine: {results['machine']}")
     print(f"model:   {results['model']}")
-    print(f"\n{args.tokens} tokens, greedy, {3 * args.runs} interleaved rounds (order rotated)")
+    print(f"\n{args.tokens} tokens, greedy, {args.floor_rounds} interleaved rounds (order rotated)")
     print("  speed vs raw loop = median over rounds of t(raw) / t(contender), with its quartiles")
     for name, sec in floor.items():
         print(
