@@ -22,74 +22,12 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
-import os
-import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    import importlib.metadata as md
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_gib": round(ram / 2**30, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "llama_cpp_python": md.version("llama-cpp-python"),
-        "unillm": md.version("unillm"),
-    }
-
-
-def base_class_cost_us(n: int = 200_000) -> float:
-    """unillm's own per-token cost, isolated: a backend that yields precomputed tokens, streamed
-    through ``Engine.stream`` vs the same generator consumed bare. Median of 5, in microseconds."""
-    from collections.abc import Iterator
-
-    from unillm import Engine, Request, SamplingParams
-
-    piece = ("x", (1,), None)
-
-    def tokens(k: int) -> Iterator[tuple[str, tuple[int, ...], None]]:
-        for _ in range(k):
-            yield piece
-
-    class Null(Engine):  # type: ignore[type-arg]
-        name = "null"
-
-        def _load(self) -> None:
-            pass
-
-        def _stream(
-            self, prepared: object, params: SamplingParams, req: Request
-        ) -> Iterator[tuple[str, tuple[int, ...], None]]:
-            req.prompt_tokens = 1
-            return tokens(params.max_tokens)
-
-    engine = Null(model="null").load()
-    params = SamplingParams(max_tokens=n)
-    bare, wrapped = [], []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in tokens(n):
-            pass
-        bare.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for _ in engine.stream("x", params):
-            pass
-        wrapped.append(time.perf_counter() - t0)
-    return (statistics.median(wrapped) - statistics.median(bare)) / n * 1e6
+from _common import Contender, base_class_cost_us, interleaved, machine, medians, paired, print_floor
 
 
 def main() -> None:
@@ -167,7 +105,7 @@ def main() -> None:
         done = engine.generate(prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
         return len(done.token_ids), done.text
 
-    contenders: dict[str, Callable[[int], tuple[int, str]]] = {
+    contenders: dict[str, Contender] = {
         "raw loop (Llama.generate)": raw_loop,
         "unillm stream": unillm_stream,
         "unillm generate": unillm_generate,
@@ -179,29 +117,6 @@ def main() -> None:
     if len(set(counts.values())) != 1 or len(set(texts.values())) != 1:
         sys.exit(f"contenders disagree: {counts}")
 
-    def timed(fn: Callable[[int], tuple[int, str]], n: int) -> float:
-        t0 = time.perf_counter()
-        count, _ = fn(n)
-        dt = time.perf_counter() - t0
-        if count != n:
-            sys.exit(f"{fn.__name__} produced {count} tokens, want {n}")
-        return dt
-
-    def interleaved(
-        plan: dict[str, tuple[Callable[[int], tuple[int, str]], int]], runs: int
-    ) -> dict[str, list[float]]:
-        samples: dict[str, list[float]] = {k: [] for k in plan}
-        names = list(plan)
-        for r in range(runs):
-            # rotate who goes first, so no contender always pays (or gains from) its position
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                fn, n = plan[name]
-                samples[name].append(timed(fn, n))
-        return samples
-
-    def medians(samples: dict[str, list[float]]) -> dict[str, float]:
-        return {k: statistics.median(v) for k, v in samples.items()}
-
     # This machine is shared and noisy (+-30 % run to run, +-8 % between neighbouring runs): the
     # floor comparison takes many rounds and reports the median of per-round ratios, which
     # cancels drift between rounds.
@@ -209,10 +124,7 @@ def main() -> None:
         {name: (fn, args.tokens) for name, fn in contenders.items()}, args.floor_rounds
     )
     floor = medians(floor_samples)
-    raw_samples = floor_samples["raw loop (Llama.generate)"]
-    ratios = {k: sorted(r / x for r, x in zip(raw_samples, v, strict=True)) for k, v in floor_samples.items()}
-    paired = {k: statistics.median(v) for k, v in ratios.items()}
-    spread = {k: (v[len(v) // 4], v[(3 * len(v)) // 4]) for k, v in ratios.items()}
+    ratios = paired(floor_samples, "raw loop (Llama.generate)")
     base_us = base_class_cost_us()
     hl_check = high_level(args.long)
     if hl_check[0] != args.long:
@@ -231,7 +143,7 @@ def main() -> None:
 
     raw_t = floor["raw loop (Llama.generate)"]
     results = {
-        "machine": machine(),
+        "machine": machine("llama-cpp-python"),
         "model": {
             "name": "unillm tiny bench (random weights)",
             "architecture": "llama",
@@ -249,11 +161,10 @@ def main() -> None:
         },
         "floor_tokens": args.tokens,
         "floor_seconds": floor,
-        "floor_speed_vs_raw": paired,
-        "floor_speed_vs_raw_iqr": spread,
+        "floor_speed_vs_raw": {k: v[0] for k, v in ratios.items()},
+        "floor_speed_vs_raw_iqr": {k: v[1:] for k, v in ratios.items()},
         "base_class_us_per_token": base_us,
         "raw_us_per_token": raw_t / args.tokens * 1e6,
-        "floor_speed_vs_raw_of_medians": {k: raw_t / v for k, v in floor.items()},
         "long_tokens": args.long,
         "long_seconds": long,
         "unillm_speedup_vs_create_completion": long["create_completion(stream=True)"] / long["unillm stream"],
@@ -267,13 +178,8 @@ def main() -> None:
 
     print(f"machine: {results['machine']}")
     print(f"model:   {results['model']}")
-    print(f"\n{args.tokens} tokens, greedy, {args.floor_rounds} interleaved rounds (order rotated)")
-    print("  speed vs raw loop = median over rounds of t(raw) / t(contender), with its quartiles")
-    for name, sec in floor.items():
-        print(
-            f"  {name:34s} {sec * 1000:9.2f} ms  {args.tokens / sec:9.0f} tok/s  "
-            f"speed vs raw loop {paired[name]:.3f}x (IQR {spread[name][0]:.3f}-{spread[name][1]:.3f})"
-        )
+    title = f"{args.tokens} tokens, greedy, {args.floor_rounds} interleaved rounds (reference: the raw loop)"
+    print_floor(title, args.tokens, floor, ratios)
     per_tok = raw_t / args.tokens * 1e6
     print(
         f"  unillm's base class (stop/max-token/usage bookkeeping, one Chunk per token) costs "

@@ -30,5 +30,5 @@ rm -rf "$VENV"
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 "$VENV/bin/python" -m pip install -q hatchling
-"$VENV/bin/python" -m pip install -e ".[dev,llamacpp]"
+"$VENV/bin/python" -m pip install -e ".[dev,llamacpp,mlx]"
 touch "$stamp"

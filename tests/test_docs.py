@@ -8,12 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 import unillm
 import unillm._errors
 import unillm.testing
 from unillm._config import ENV_VARS
 from unillm.engines.llamacpp import LlamaCppOptions
+from unillm.engines.mlx import MLXOptions
 from unillm.testing import MockEngine, check_engine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,17 +46,22 @@ def code(cell: str) -> str:
     return match.group(1)
 
 
-def test_every_llamacpp_option_is_documented() -> None:
-    text = read("backends/llamacpp.md")
-    for name in LlamaCppOptions.model_fields:
-        assert f"`{name}`" in text, f"option {name} is missing from docs/backends/llamacpp.md"
+BACKEND_PAGES = [("backends/llamacpp.md", LlamaCppOptions), ("backends/mlx.md", MLXOptions)]
 
 
-def test_llamacpp_options_table_matches_the_model() -> None:
-    rows = table(read("backends/llamacpp.md"), "## Options")
+@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx"])
+def test_every_backend_option_is_documented(page: str, options: type[BaseModel]) -> None:
+    text = read(page)
+    for name in options.model_fields:
+        assert f"`{name}`" in text, f"option {name} is missing from docs/{page}"
+
+
+@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx"])
+def test_backend_options_table_matches_the_model(page: str, options: type[BaseModel]) -> None:
+    rows = table(read(page), "## Options")
     documented = {code(row[0]): row for row in rows}
-    assert list(documented) == list(LlamaCppOptions.model_fields)  # same names, same order
-    for name, field in LlamaCppOptions.model_fields.items():
+    assert list(documented) == list(options.model_fields)  # same names, same order
+    for name, field in options.model_fields.items():
         assert ast.literal_eval(code(documented[name][2])) == field.default, f"default of {name}"
 
 

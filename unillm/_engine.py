@@ -72,7 +72,14 @@ class Request:
     engine's own counters when it has them (otherwise unillm's wall clock is used).
     """
 
-    __slots__ = ("cached_tokens", "decode_s", "finish_reason", "prefill_s", "prompt_tokens")
+    __slots__ = (
+        "cached_tokens",
+        "decode_s",
+        "finish_reason",
+        "peak_memory_bytes",
+        "prefill_s",
+        "prompt_tokens",
+    )
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
@@ -80,6 +87,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.prefill_s: float | None = None
         self.decode_s: float | None = None
+        self.peak_memory_bytes: int | None = None
 
 
 RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
@@ -427,6 +435,7 @@ def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timin
         # the first token comes out of prefill; decode makes the other n - 1
         decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else None,
         source=source,  # type: ignore[arg-type]
+        peak_memory_bytes=req.peak_memory_bytes,
     )
 
 

@@ -175,6 +175,7 @@ class Timings:
     prefill_tokens_per_s: float | None
     decode_tokens_per_s: float | None
     source: Literal["engine", "wall"] = "wall"
+    peak_memory_bytes: int | None = None  # the engine's peak memory so far, where it reports one
 
 
 @dataclass(frozen=True, slots=True)

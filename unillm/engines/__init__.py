@@ -15,5 +15,7 @@ from unillm.hookspecs import hookimpl
 @hookimpl
 def unillm_register_backends(register: Callable[[Any], None]) -> None:
     from unillm.engines.llamacpp import LlamaCppEngine
+    from unillm.engines.mlx import MLXEngine
 
     register(LlamaCppEngine)
+    register(MLXEngine)

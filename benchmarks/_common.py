@@ -1,0 +1,118 @@
+"""Shared pieces of the overhead benchmarks: machine description, interleaved timing, paired
+ratios and the isolated per-token cost of unillm's base class."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Contender = Callable[[int], tuple[int, str]]  # tokens wanted -> (tokens produced, text)
+
+
+def machine(*packages: str) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(ram / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **{pkg: md.version(pkg) for pkg in ("unillm", *packages)},
+    }
+
+
+def timed(fn: Contender, n: int) -> float:
+    """Seconds for ``fn`` to produce ``n`` tokens; exits if it produced another count."""
+    t0 = time.perf_counter()
+    count, _ = fn(n)
+    dt = time.perf_counter() - t0
+    if count != n:
+        sys.exit(f"{getattr(fn, '__name__', fn)} produced {count} tokens, want {n}")
+    return dt
+
+
+def interleaved(plan: dict[str, tuple[Contender, int]], rounds: int) -> dict[str, list[float]]:
+    """Time every contender once per round, rotating who goes first, so drift on a shared
+    machine and any position effect hit all contenders alike."""
+    samples: dict[str, list[float]] = {k: [] for k in plan}
+    names = list(plan)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, n = plan[name]
+            samples[name].append(timed(fn, n))
+    return samples
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def paired(samples: dict[str, list[float]], reference: str) -> dict[str, tuple[float, float, float]]:
+    """Per contender: the median over rounds of t(reference) / t(contender), and its quartiles."""
+    out = {}
+    for name, times in samples.items():
+        ratios = sorted(r / t for r, t in zip(samples[reference], times, strict=True))
+        out[name] = (statistics.median(ratios), ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
+    return out
+
+
+def base_class_cost_us(n: int = 200_000) -> float:
+    """unillm's own per-token cost, isolated: a backend that yields precomputed tokens, streamed
+    through ``Engine.stream`` vs the same generator consumed bare. Median of 5, in microseconds."""
+    from unillm import Engine, Request, SamplingParams
+
+    piece = ("x", (1,), None)
+
+    def tokens(k: int) -> Iterator[tuple[str, tuple[int, ...], None]]:
+        for _ in range(k):
+            yield piece
+
+    class Null(Engine):  # type: ignore[type-arg]
+        name = "null"
+
+        def _load(self) -> None:
+            pass
+
+        def _stream(
+            self, prepared: object, params: SamplingParams, req: Request
+        ) -> Iterator[tuple[str, tuple[int, ...], None]]:
+            req.prompt_tokens = 1
+            return tokens(params.max_tokens)
+
+    engine = Null(model="null").load()
+    params = SamplingParams(max_tokens=n)
+    bare, wrapped = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in tokens(n):
+            pass
+        bare.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in engine.stream("x", params):
+            pass
+        wrapped.append(time.perf_counter() - t0)
+    return (statistics.median(wrapped) - statistics.median(bare)) / n * 1e6
+
+
+def print_floor(
+    title: str, tokens: int, floor: dict[str, float], ratios: dict[str, tuple[float, float, float]]
+) -> None:
+    print(f"\n{title}")
+    print("  speed vs reference = median over rounds of t(reference) / t(contender), with its quartiles")
+    for name, sec in floor.items():
+        med, lo, hi = ratios[name]
+        rate = f"{sec * 1000:9.2f} ms  {tokens / sec:9.0f} tok/s"
+        print(f"  {name:34s} {rate}  speed {med:.3f}x (IQR {lo:.3f}-{hi:.3f})")

@@ -1,0 +1,257 @@
+"""The MLX backend against the real mlx-lm (mlx's CPU build on Linux), on the tiny HF model."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unillm import (
+    BackendUnavailable,
+    ContextLengthExceeded,
+    ModelFormatError,
+    ModelNotFound,
+    SamplingParams,
+    UnillmWarning,
+    auto_engine,
+)
+from unillm.testing import TinyModel, check_engine
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm is not installed")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+PROMPT = "The quick brown fox"
+PROMPTS = [
+    PROMPT,
+    "Once upon a time",
+    "0 1 2 3 4 5 6 7 8 9",
+    "Why is the sky blue? Because air scatters blue light more than red light.",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+    "ünïcödé 🙂 and bytes",
+]
+
+
+@pytest.fixture(scope="module")
+def mlx(tiny: TinyModel) -> Any:
+    from unillm.engines.mlx import MLXEngine
+
+    with MLXEngine(model=str(tiny.hf_dir), context_length=512, options={"seed": 1234}) as engine:
+        yield engine
+
+
+def raw_greedy(tiny: TinyModel, prompt: str, n: int) -> list[int]:
+    """mlx-lm used directly, as a user would without unillm."""
+    import mlx_lm
+
+    model, tokenizer = _raw_model(tiny)
+    out = []
+    for resp in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n):
+        if resp.finish_reason == "stop" and resp.token in tokenizer.eos_token_ids:
+            break
+        out.append(resp.token)
+    return out
+
+
+_RAW: dict[str, Any] = {}
+
+
+def _raw_model(tiny: TinyModel) -> Any:
+    if "m" not in _RAW:
+        import mlx_lm
+
+        _RAW["m"] = mlx_lm.load(str(tiny.hf_dir))
+    return _RAW["m"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_greedy_is_token_identical_to_mlx_lm(mlx: Any, tiny: TinyModel, prompt: str) -> None:
+    assert list(mlx.generate(prompt, GREEDY).token_ids) == raw_greedy(tiny, prompt, GREEDY.max_tokens)
+
+
+def test_parity_with_llama_cpp_on_the_same_weights(mlx: Any, llama: Any) -> None:
+    """The GGUF holds the same f32 weights: greedy tokens must agree across engines."""
+    differing = []
+    for prompt in PROMPTS:
+        a = mlx.generate(prompt, GREEDY).token_ids
+        b = llama.generate(prompt, GREEDY).token_ids
+        if a != b:
+            differing.append((prompt, a, b))
+    # f32 on both sides and logits spread by units: no prompt may differ (threshold 0 of 6).
+    assert differing == [], f"{len(differing)} of {len(PROMPTS)} prompts differ: {differing}"
+
+
+def test_token_id_prompts_and_tokenizer(mlx: Any) -> None:
+    ids = mlx.tokenize(PROMPT)
+    assert mlx.detokenize(ids) == PROMPT
+    assert mlx.generate(ids, GREEDY).token_ids == mlx.generate(PROMPT, GREEDY).token_ids
+
+
+def test_seeded_sampling_is_reproducible(mlx: Any) -> None:
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, max_tokens=24)
+    a = mlx.generate(PROMPT, p, seed=7).token_ids
+    assert a == mlx.generate(PROMPT, p, seed=7).token_ids
+    assert a != mlx.generate(PROMPT, p, seed=8).token_ids
+    assert a != mlx.generate(PROMPT, GREEDY).token_ids
+
+
+def test_penalties_and_logit_bias(mlx: Any) -> None:
+    base = mlx.generate(PROMPT, GREEDY).token_ids
+    assert mlx.generate(PROMPT, GREEDY, repetition_penalty=1.5, frequency_penalty=1.0).token_ids != base
+    assert set(mlx.generate(PROMPT, GREEDY, logit_bias={17: 100.0}).token_ids) == {17}
+
+
+def test_stop_strings_stop_ids_eos_and_length(mlx: Any) -> None:
+    full = mlx.generate(PROMPT, GREEDY)
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    cut = mlx.generate(PROMPT, GREEDY, stop=[stop])
+    assert (cut.text, cut.finish_reason) == (full.text[: full.text.find(stop)], "stop")
+    assert mlx.generate(PROMPT, GREEDY, max_tokens=5).finish_reason == "length"
+    eos = next(iter(mlx._tokenizer.eos_token_ids))
+    ended = mlx.generate(PROMPT, GREEDY, logit_bias={eos: 100.0})
+    assert (ended.finish_reason, ended.token_ids) == ("stop", ())
+    ignored = mlx.generate(PROMPT, GREEDY, logit_bias={eos: 100.0}, ignore_eos=True, max_tokens=3)
+    assert ignored.token_ids == (eos, eos, eos) and ignored.finish_reason == "length"
+    stopped = mlx.generate(PROMPT, GREEDY, stop_token_ids=[full.token_ids[3]])
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[3])]
+
+
+def test_logprobs_and_timings(mlx: Any) -> None:
+    done = mlx.generate(PROMPT, GREEDY, logprobs=0)
+    assert done.logprobs is not None and len(done.logprobs) == len(done.token_ids)
+    assert all(lp <= 0.0 for lp in done.logprobs)
+    t = done.timings
+    assert t.source == "engine" and t.decode_s > 0 and t.decode_tokens_per_s
+    assert t.peak_memory_bytes and t.peak_memory_bytes > 0
+
+
+def test_chat_uses_the_tokenizer_template(mlx: Any, llama: Any) -> None:
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    assert mlx.render_chat(messages) == llama.render_chat(messages)
+    reply = mlx.chat(messages, GREEDY)
+    assert reply.token_ids == llama.chat(messages, GREEDY).token_ids
+    assert "".join(c.text for c in mlx.stream_chat(messages, GREEDY)) == reply.text
+
+
+def test_kv_stats_and_prefix_reuse(mlx: Any) -> None:
+    mlx.reset()
+    assert mlx.kv_stats().used_tokens == 0
+    ids = mlx.tokenize("Once upon a time, there was a small model that wanted to tell stories.")
+    first = mlx.generate(ids, GREEDY, max_tokens=4)
+    assert first.usage.cached_prompt_tokens == 0
+    stats = mlx.kv_stats()
+    assert stats.used_tokens == len(ids) + 4
+    assert stats.bytes_per_token == 2 * 2 * 1 * 64 * 4  # K and V, 2 layers, 1 KV head, f32
+    assert stats.used_bytes and stats.used_bytes >= stats.used_tokens * stats.bytes_per_token
+    again = mlx.generate(ids, GREEDY, max_tokens=4)
+    assert again.usage.cached_prompt_tokens == len(ids) - 1 and again.token_ids == first.token_ids
+    turn = mlx.generate([*ids, *first.token_ids[:3]], GREEDY, max_tokens=4)
+    assert turn.usage.cached_prompt_tokens == len(ids) + 2
+    other = mlx.generate("Something else entirely", GREEDY, max_tokens=2)
+    assert other.usage.cached_prompt_tokens == 0
+    assert mlx.kv_stats().prefix_cache_hits >= 2
+
+
+def test_reused_prefix_gives_the_same_tokens(mlx: Any) -> None:
+    """A prompt evaluated on top of a reused prefix gives what a fresh evaluation gives."""
+    prompts = [p + " and then" for p in PROMPTS[:3]]
+    fresh = []
+    for p in prompts:
+        mlx.reset()
+        fresh.append(mlx.generate(p, GREEDY).token_ids)
+    reused = []
+    for p in prompts:
+        mlx.generate(p[: len(p) // 2], GREEDY, max_tokens=1)  # leave a prefix in the cache
+        done = mlx.generate(p, GREEDY)
+        assert done.usage.cached_prompt_tokens
+        reused.append(done.token_ids)
+    assert reused == fresh
+
+
+def test_concurrent_async_callers_get_independent_outputs(mlx: Any) -> None:
+    prompts = [f"Story number {i}: once upon a time" for i in range(6)]
+    sequential = [mlx.generate(p, GREEDY).token_ids for p in prompts]
+
+    async def main() -> list[tuple[int, ...]]:
+        done = await asyncio.gather(*(mlx.agenerate(p, GREEDY) for p in prompts))
+        return [d.token_ids for d in done]
+
+    assert asyncio.run(main()) == sequential
+
+
+def test_breaking_a_stream_leaves_the_engine_usable(mlx: Any) -> None:
+    full = mlx.generate(PROMPT, GREEDY)
+    stream = mlx.stream(PROMPT, GREEDY)
+    got = [next(stream) for _ in range(3)]
+    stream.close()
+    assert [c.token_ids[0] for c in got] == list(full.token_ids[:3])
+    assert mlx.generate(PROMPT, GREEDY).token_ids == full.token_ids
+
+
+def test_conformance(mlx: Any) -> None:
+    assert len(check_engine(mlx, PROMPT)) >= 7
+
+
+def test_context_too_long(mlx: Any) -> None:
+    with pytest.raises(ContextLengthExceeded, match="512"):
+        mlx.stream("word " * 600, GREEDY)
+
+
+# ---- errors with real bad directories ----
+
+
+def copy_hf(tiny: TinyModel, dest: Path) -> Path:
+    shutil.copytree(tiny.hf_dir, dest)
+    return dest
+
+
+def test_not_an_hf_directory(tmp_path: Path, tiny: TinyModel) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFormatError, match=r"no config\.json"):
+        auto_engine(tmp_path / "empty", backend="mlx")
+    with pytest.raises(ModelFormatError, match=r"backend='llama\.cpp'"), pytest.warns(UnillmWarning):
+        auto_engine(tiny.gguf_path, backend="mlx")
+    with pytest.raises(ModelNotFound):
+        auto_engine(tmp_path / "absent", backend="mlx")
+    with pytest.raises(ModelNotFound):
+        auto_engine("nobody/not-in-the-cache", backend="mlx")
+
+
+def test_unsupported_model_type(tmp_path: Path, tiny: TinyModel) -> None:
+    d = copy_hf(tiny, tmp_path / "alien")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "alienformer"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match="alienformer"):
+        auto_engine(d, backend="mlx")
+
+
+def test_missing_tokenizer(tmp_path: Path, tiny: TinyModel) -> None:
+    d = copy_hf(tiny, tmp_path / "notok")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(ModelFormatError, match="no tokenizer"):
+        auto_engine(d, backend="mlx")
+
+
+def test_missing_weights(tmp_path: Path, tiny: TinyModel) -> None:
+    d = copy_hf(tiny, tmp_path / "noweights")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match="incomplete"):
+        auto_engine(d, backend="mlx")
+
+
+def test_mlx_not_installed(tiny: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)
+    with pytest.raises(BackendUnavailable, match=r"unillm\[mlx\]"):
+        auto_engine(tiny.hf_dir, backend="mlx")
+
+
+def test_auto_engine_picks_mlx_for_an_hf_directory(tiny: TinyModel) -> None:
+    with auto_engine(tiny.hf_dir, context_length=128) as e:
+        assert e.name == "mlx"
+        assert e.selection is not None and "does not read safetensors" in e.selection.explain()
