@@ -37,11 +37,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def mlx(tiny: TinyModel) -> Any:
+@pytest.fixture(scope="module", params=[8, 1], ids=["batched", "single"])
+def mlx(tiny: TinyModel, request: pytest.FixtureRequest) -> Any:
+    """The MLX engine in both modes: continuous batching (BatchGenerator) and one at a time."""
     from unillm.engines.mlx import MLXEngine
 
-    with MLXEngine(model=str(tiny.hf_dir), context_length=512, options={"seed": 1234}) as engine:
+    opts = {"seed": 1234, "batch_size": request.param}
+    with MLXEngine(model=str(tiny.hf_dir), context_length=512, options=opts) as engine:
+        assert engine.capabilities.batching == (request.param > 1)
         yield engine
 
 
@@ -126,7 +129,9 @@ def test_logprobs_and_timings(mlx: Any) -> None:
     assert done.logprobs is not None and len(done.logprobs) == len(done.token_ids)
     assert all(lp <= 0.0 for lp in done.logprobs)
     t = done.timings
-    assert t.source == "engine" and t.decode_s > 0 and t.decode_tokens_per_s
+    # one at a time, mlx-lm times the request; in a shared batch only unillm's clock can
+    assert t.source == ("wall" if mlx.capabilities.batching else "engine")
+    assert t.decode_s > 0 and t.decode_tokens_per_s
     assert t.peak_memory_bytes and t.peak_memory_bytes > 0
 
 
@@ -182,6 +187,29 @@ def test_concurrent_async_callers_get_independent_outputs(mlx: Any) -> None:
         return [d.token_ids for d in done]
 
     assert asyncio.run(main()) == sequential
+
+
+def test_concurrent_callers_share_one_batch(mlx: Any) -> None:
+    if not mlx.capabilities.batching:
+        pytest.skip("one request at a time in this mode")
+    seen_active: list[int] = []
+
+    async def one(i: int) -> tuple[int, ...]:
+        ids: list[int] = []
+        async for chunk in mlx.astream(f"Request {i} says", GREEDY, max_tokens=48, ignore_eos=True):
+            seen_active.append(mlx._batcher.active)
+            ids.extend(chunk.token_ids)
+        return tuple(ids)
+
+    async def main() -> list[tuple[int, ...]]:
+        return list(await asyncio.gather(*(one(i) for i in range(4))))
+
+    together = asyncio.run(main())
+    assert max(seen_active) > 1  # several sequences were decoded in the same steps
+    alone = [
+        mlx.generate(f"Request {i} says", GREEDY, max_tokens=48, ignore_eos=True).token_ids for i in range(4)
+    ]
+    assert together == alone
 
 
 def test_breaking_a_stream_leaves_the_engine_usable(mlx: Any) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -29,6 +31,7 @@ from unillm._errors import (
     OutOfMemory,
 )
 from unillm._types import Availability, Capabilities, KVStats, SamplingParams
+from unillm.engines._mlx_batch import Batcher
 
 if TYPE_CHECKING:
     import mlx.nn
@@ -67,6 +70,12 @@ class MLXOptions(BaseModel):
         default=False, description="Allow a model's own Python code (off: unsafe)."
     )
     seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
+    batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Sequences decoded together by mlx-lm's BatchGenerator (continuous batching); "
+        "1 runs one request at a time.",
+    )
 
 
 class MLXEngine(Engine[MLXOptions]):
@@ -93,7 +102,7 @@ class MLXEngine(Engine[MLXOptions]):
                 "logit_bias",
             }
         ),
-        batching=False,  # serialized: one prompt cache, one sequence at a time
+        batching=False,  # True on an engine whose batch_size > 1 (mlx-lm's BatchGenerator)
         lora=True,
         devices=frozenset({"cpu", "metal"}),
     )
@@ -161,6 +170,19 @@ class MLXEngine(Engine[MLXOptions]):
         self._cache_tokens: list[int] = []
         self._queries = 0
         self._hits = 0
+        self._saved: tuple[list[Any], list[int]] | None = None  # batched mode's reusable cache
+        self._saved_lock = threading.Lock()
+        self._inflight: dict[int, int] = {}  # batched mode: request -> tokens it holds
+        self._batcher: Batcher | None = None
+        if opts.batch_size > 1 and _has_batch_generator():
+            self._batcher = Batcher(
+                model,
+                sorted(self._eos),
+                batch_size=opts.batch_size,
+                prefill_step_size=opts.prefill_step_size,
+                max_kv_size=opts.max_kv_size,
+            )
+            self.capabilities = replace(type(self).capabilities, batching=True)  # type: ignore[misc]
 
     # ---- stream ----
 
@@ -184,6 +206,13 @@ class MLXEngine(Engine[MLXOptions]):
     def _stream(
         self, ids: list[int], params: SamplingParams, req: Request
     ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+        if self._batcher is not None:
+            return self._stream_batched(ids, params, req)
+        return self._stream_single(ids, params, req)
+
+    def _stream_single(
+        self, ids: list[int], params: SamplingParams, req: Request
+    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
         mx, opts, tokenizer = self._mx, self.options, self._tokenizer
         req.prompt_tokens = len(ids)
         cached = self._reuse_prefix(ids)
@@ -192,9 +221,6 @@ class MLXEngine(Engine[MLXOptions]):
         self._hits += cached > 0
         seen = self._cache_tokens = list(ids[:cached])
 
-        seed = params.seed if params.seed is not None else opts.seed
-        if seed is not None:
-            mx.random.seed(seed)
         max_tokens = params.max_tokens
         if opts.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
@@ -248,6 +274,93 @@ class MLXEngine(Engine[MLXOptions]):
                 req.decode_s = last.generation_tokens / last.generation_tps if last.generation_tps else 0.0
                 req.peak_memory_bytes = int(last.peak_memory * 1e9)
 
+    def _stream_batched(
+        self, ids: list[int], params: SamplingParams, req: Request
+    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+        assert self._batcher is not None
+        req.prompt_tokens = len(ids)
+        cache, cached = self._take_saved(ids)
+        req.cached_tokens = cached
+        self._queries += 1
+        self._hits += cached > 0
+        max_tokens = params.max_tokens
+        if self.options.max_kv_size is None:
+            max_tokens = min(max_tokens, self._n_ctx - len(ids))
+        live = self._batcher.submit(
+            ids[cached:],
+            max_tokens=max_tokens,
+            sampler=self._sampler(params),
+            processors=self._processors(params),
+            ignore_eos=params.ignore_eos,
+            cache=cache,
+            history=ids[:cached] if cached else None,
+        )
+        detok = self._tokenizer.detokenizer  # a fresh one per request
+        stop_ids = frozenset(params.stop_token_ids)
+        want_lp = params.logprobs is not None
+        key = id(req)
+        self._inflight[key] = len(ids)
+        finished = False
+        try:
+            while True:
+                r = live.events.get()
+                if isinstance(r, BaseException):
+                    finished = True
+                    raise r
+                tok = r.token
+                if r.finish_reason == "stop":  # the end-of-sequence token (never with ignore_eos)
+                    finished = True
+                    req.finish_reason = "stop"
+                    self._save(r)
+                    detok.finalize()
+                    if detok.last_segment:
+                        yield detok.last_segment, (), None
+                    return
+                if tok in stop_ids:
+                    req.finish_reason = "stop"
+                    return
+                detok.add_token(tok)
+                self._inflight[key] += 1
+                lp = (float(r.logprobs[tok].item()),) if want_lp else None  # type: ignore[arg-type]
+                if r.finish_reason == "length":
+                    finished = True
+                    req.finish_reason = "length"
+                    self._save(r)
+                    detok.finalize()
+                    yield detok.last_segment, (tok,), lp
+                    return
+                yield detok.last_segment, (tok,), lp
+        finally:
+            self._inflight.pop(key, None)
+            if not finished:
+                self._batcher.cancel(live)
+            req.peak_memory_bytes = int(self._mx.get_peak_memory())
+
+    def _save(self, r: Any) -> None:
+        """Keep a finished sequence's cache for the next request to reuse its prefix."""
+        cache = r.prompt_cache
+        if self.options.prompt_cache and cache and self._cache_mod.can_trim_prompt_cache(cache):
+            with self._saved_lock:
+                self._saved = (cache, list(r.all_tokens or []))
+
+    def _take_saved(self, ids: list[int]) -> tuple[list[Any] | None, int]:
+        with self._saved_lock:
+            saved, self._saved = self._saved, None
+        if saved is None:
+            return None, 0
+        cache, tokens = saved
+        offset = _cache_offset(cache) or 0
+        held = tokens[:offset]
+        limit = min(len(held), len(ids) - 1)
+        keep = 0
+        while keep < limit and held[keep] == ids[keep]:
+            keep += 1
+        if keep == 0:
+            return None, 0
+        if offset - keep > 0:
+            self._cache_mod.trim_prompt_cache(cache, offset - keep)
+        return cache, keep
+
     def _reuse_prefix(self, ids: list[int]) -> int:
         """Trim the prompt cache to the longest prefix it shares with ``ids`` (keeping at least
         one token to evaluate); make a fresh cache where reuse is off or impossible."""
@@ -271,14 +384,36 @@ class MLXEngine(Engine[MLXOptions]):
         return 0
 
     def _sampler(self, params: SamplingParams) -> Any:
-        from mlx_lm.sample_utils import make_sampler
+        """mlx-lm's sampling chain; a seeded request draws from its own key, so its tokens do not
+        depend on what else runs in the batch."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-        return make_sampler(
-            temp=params.temperature,
-            top_p=params.top_p if params.top_p < 1.0 else 0.0,
-            min_p=params.min_p,
-            top_k=params.top_k or 0,
-        )
+        temp = params.temperature
+        seed = params.seed if params.seed is not None else self.options.seed
+        if temp == 0.0 or seed is None:
+            return make_sampler(
+                temp=temp,
+                top_p=params.top_p if params.top_p < 1.0 else 0.0,
+                min_p=params.min_p,
+                top_k=params.top_k or 0,
+            )
+        mx = self._mx
+        filters: list[Any] = []
+        if params.top_p < 1.0:
+            filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+        if params.top_k:
+            filters.append(lambda x: apply_top_k(x, params.top_k))
+        key = [mx.random.key(seed)]
+
+        def sample(logprobs: Any) -> Any:
+            for f in filters:
+                logprobs = f(logprobs)
+            key[0], sub = mx.random.split(key[0])
+            return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+        return sample
 
     def _processors(self, params: SamplingParams) -> list[Any] | None:
         from mlx_lm.sample_utils import make_logits_processors
@@ -328,8 +463,15 @@ class MLXEngine(Engine[MLXOptions]):
         if isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int) and itemsize:
             bpt = 2 * layers * kv_heads * head_dim * itemsize
         capacity = self.options.max_kv_size or self._n_ctx
-        used = _cache_offset(self._cache) or 0
-        used_bytes = sum(int(c.nbytes) for c in self._cache) if self._cache else 0
+        if self._batcher is not None:
+            # batched: each of batch_size sequences may hold a whole context; sizes are estimates
+            saved = self._saved
+            used = sum(self._inflight.values()) + ((_cache_offset(saved[0]) or 0) if saved else 0)
+            used_bytes = bpt * used if bpt else None
+            capacity *= self.options.batch_size
+        else:
+            used = _cache_offset(self._cache) or 0
+            used_bytes = sum(int(c.nbytes) for c in self._cache) if self._cache else 0
         return KVStats(
             capacity_tokens=capacity,
             used_tokens=used,
@@ -346,11 +488,16 @@ class MLXEngine(Engine[MLXOptions]):
         with self._busy():
             self._cache = None
             self._cache_tokens = []
+            with self._saved_lock:
+                self._saved = None
 
     # ---- close ----
 
     def _close(self) -> None:
-        for attr in ("_model", "_tokenizer", "_cache"):
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
+        for attr in ("_model", "_tokenizer", "_cache", "_saved"):
             self.__dict__.pop(attr, None)
         mx = self.__dict__.get("_mx")
         if mx is not None:
@@ -395,6 +542,14 @@ def _read_config(path: Path) -> dict[str, Any]:
             f"{str(path)!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)"
         )
     return data
+
+
+def _has_batch_generator() -> bool:
+    try:
+        from mlx_lm.generate import BatchGenerator  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _cache_offset(cache: list[Any] | None) -> int | None:
