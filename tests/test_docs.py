@@ -14,6 +14,7 @@ import unillm
 import unillm._errors
 import unillm.testing
 from unillm._config import ENV_VARS
+from unillm.engines.exllamav2 import ExLlamaV2Options
 from unillm.engines.llamacpp import LlamaCppOptions
 from unillm.engines.mlx import MLXOptions
 from unillm.testing import MockEngine, check_engine
@@ -46,17 +47,21 @@ def code(cell: str) -> str:
     return match.group(1)
 
 
-BACKEND_PAGES = [("backends/llamacpp.md", LlamaCppOptions), ("backends/mlx.md", MLXOptions)]
+BACKEND_PAGES = [
+    ("backends/llamacpp.md", LlamaCppOptions),
+    ("backends/mlx.md", MLXOptions),
+    ("backends/exllamav2.md", ExLlamaV2Options),
+]
 
 
-@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx"])
+@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx", "exllamav2"])
 def test_every_backend_option_is_documented(page: str, options: type[BaseModel]) -> None:
     text = read(page)
     for name in options.model_fields:
         assert f"`{name}`" in text, f"option {name} is missing from docs/{page}"
 
 
-@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx"])
+@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx", "exllamav2"])
 def test_backend_options_table_matches_the_model(page: str, options: type[BaseModel]) -> None:
     rows = table(read(page), "## Options")
     documented = {code(row[0]): row for row in rows}

@@ -14,8 +14,10 @@ from unillm.hookspecs import hookimpl
 
 @hookimpl
 def unillm_register_backends(register: Callable[[Any], None]) -> None:
+    from unillm.engines.exllamav2 import ExLlamaV2Engine
     from unillm.engines.llamacpp import LlamaCppEngine
     from unillm.engines.mlx import MLXEngine
 
     register(LlamaCppEngine)
     register(MLXEngine)
+    register(ExLlamaV2Engine)

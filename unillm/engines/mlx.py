@@ -286,7 +286,7 @@ class MLXEngine(Engine[MLXOptions]):
         max_tokens = params.max_tokens
         if self.options.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
-        live = self._batcher.submit(
+        live = self._batcher.submit_prompt(
             ids[cached:],
             max_tokens=max_tokens,
             sampler=self._sampler(params),

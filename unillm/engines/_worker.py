@@ -1,0 +1,145 @@
+"""A worker thread that owns an engine object which is not thread-safe (mlx-lm's
+``BatchGenerator``, exllamav2's dynamic generator) and serves many callers through it.
+
+Callers ``submit`` a request and read its events from their own queue; the worker adds requests,
+advances the engine one step at a time (each step serves every request in flight: continuous
+batching) and routes each step's events to their callers. A caller that stops early ``cancel``s
+and its request leaves the engine at the next step. A step that raises fails the requests in
+flight (the engine's state is suspect) and the worker carries on with a reset engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from unillm._errors import EngineClosed
+
+__all__ = ["Live", "StepWorker"]
+
+
+class Live:
+    """One request inside a worker: what was submitted, its key in the engine once added, and
+    the queue its events (or the exception that ended it) arrive on."""
+
+    __slots__ = ("events", "key", "payload")
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+        self.key: int | None = None
+        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+
+class StepWorker:
+    """Base of the engine workers. Subclasses say how to add, remove and step; ``lock`` is held
+    whenever the worker touches the engine, so other threads may hold it to read its state."""
+
+    thread_name = "unillm-worker"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[tuple[str, Live]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: dict[int, Live] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    # ---- what a subclass implements (called on the worker thread, under ``lock``) ----
+
+    def _add(self, payload: Any) -> int:
+        """Put a request into the engine; return its key there."""
+        raise NotImplementedError
+
+    def _remove(self, live: Live) -> None:
+        """Take a request that is still in flight out of the engine."""
+        raise NotImplementedError
+
+    def _step(self) -> Iterable[tuple[int, Any, bool]]:
+        """Advance the engine one step: ``(key, event, is_last)`` for each request it served."""
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Drop everything in flight after a failed step."""
+
+    def _shutdown(self) -> None:
+        """Release the engine at close; by default, as after a failed step."""
+        self._reset()
+
+    # ---- called from any thread ----
+
+    def submit(self, payload: Any) -> Live:
+        live = Live(payload)
+        self._inbox.put(("add", live))
+        self._wake.set()
+        return live
+
+    def cancel(self, live: Live) -> None:
+        """Drop a request whose caller no longer reads it (a no-op once it has finished)."""
+        self._inbox.put(("remove", live))
+        self._wake.set()
+
+    @property
+    def active(self) -> int:
+        """Requests in the engine now."""
+        return len(self._live)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- the worker thread ----
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._drain()
+            if not self._live:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                with self.lock:
+                    events = list(self._step())
+            except Exception as exc:
+                with self.lock:
+                    self._reset()
+                for failed in self._live.values():
+                    failed.events.put(exc)
+                self._live.clear()
+                continue
+            for key, event, last in events:
+                target = self._live.get(key)
+                if target is None:
+                    continue
+                target.events.put(event)
+                if last:
+                    del self._live[key]
+        with self.lock:
+            self._shutdown()
+        for orphan in self._live.values():
+            orphan.events.put(EngineClosed("the engine was closed while this request ran"))
+        self._live.clear()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, live = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "remove":
+                if live.key is not None and self._live.pop(live.key, None) is not None:
+                    with self.lock:
+                        self._remove(live)
+                continue
+            try:
+                with self.lock:
+                    live.key = self._add(live.payload)
+            except Exception as exc:
+                live.events.put(exc)
+                continue
+            self._live[live.key] = live

@@ -1,0 +1,570 @@
+"""ExLlamaV2: EXL2-quantized and unquantized FP16/BF16 Hugging Face models on NVIDIA (CUDA) and AMD
+(ROCm) GPUs, one model split across several GPUs if need be.
+
+Every request becomes a job of exllamav2's dynamic generator; a worker thread iterates it, so
+concurrent callers' jobs share forward passes (continuous batching, in paged mode). Stop strings and
+stop token ids go into each job's stop conditions, so generation ends inside exllamav2 at once; the
+base class's stop matching stays as an identical second check. The KV cache is one pool shared by
+all jobs, in 256-token pages; full pages of finished prompts stay for prefix reuse, reported as
+cached tokens. exllamav2 has no chat templates: the model's HF template renders in unillm's sandbox.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from unillm._engine import Engine, Request
+from unillm._errors import (
+    BackendUnavailable,
+    ConfigError,
+    ContextLengthExceeded,
+    GenerationError,
+    ModelFormatError,
+    ModelLoadError,
+    OutOfMemory,
+    UnillmError,
+)
+from unillm._inspect import detect_format
+from unillm._types import Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm.engines._exllamav2_jobs import JobRunner
+
+__all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
+
+INSTALL_HINT = "pip install 'unillm[exllamav2]'"
+NO_GPU = (
+    "needs an NVIDIA (CUDA) or AMD (ROCm) GPU and found none; use llama.cpp for GGUF models, or MLX on a Mac"
+)
+#: "1" skips the GPU probe and assumes a GPU, "0" assumes none: for tests (against a fake exllamav2)
+#: and for machines whose GPU the probe cannot see.
+ASSUME_GPU_ENV = "UNILLM_EXLLAMAV2_ASSUME_GPU"
+_DEFAULT_CONTEXT = 4096
+_PAGE = 256  # exllamav2's cache page; the cache holds whole pages
+_DRAFT_TOKENS = 4  # tokens a draft model proposes per step
+# KV bytes per layer, KV head and head dimension: K + V elements (fp16: 2 bytes; q8: 1 + 1; q6:
+# 1 + 0.5; q4: 0.5 + 0.5) plus, when quantized, fp16 scales per 32 elements of K and V (1/8 byte)
+_KV_BYTES = {"fp16": 4.0, "q8": 2.125, "q6": 1.625, "q4": 1.125}
+_CACHE_CLASSES = {
+    "fp16": "ExLlamaV2Cache",
+    "q8": "ExLlamaV2Cache_Q8",
+    "q6": "ExLlamaV2Cache_Q6",
+    "q4": "ExLlamaV2Cache_Q4",
+}
+_READS = ("exl2", "safetensors", "gptq")  # formats exllamav2 loads (gptq: 4-bit GPTQ checkpoints)
+
+
+# ---- options ----
+
+
+class ExLlamaV2Options(BaseModel):
+    """Load options of the ExLlamaV2 backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_seq_len: int | None = Field(
+        default=None,
+        ge=16,
+        description="Longest sequence (prompt + completion); default: the config's context_length, "
+        f"else min(the model's trained context, {_DEFAULT_CONTEXT}).",
+    )
+    cache_size: int | None = Field(
+        default=None,
+        ge=_PAGE,
+        description="Tokens the KV cache holds, shared by all running requests (rounded up to a "
+        "multiple of 256, at least max_seq_len); default: max_seq_len x max_batch_size.",
+    )
+    cache_type: Literal["fp16", "q8", "q6", "q4"] = Field(
+        default="fp16", description="KV cache precision: FP16, or quantized to 8, 6 or 4 bits."
+    )
+    gpu_split: list[float] | None = Field(
+        default=None,
+        description="GB of weights to put on each GPU, in order (e.g. [20, 24]); None splits "
+        "automatically, filling each GPU in turn with weights and cache.",
+    )
+    max_batch_size: int = Field(
+        default=8, ge=1, description="Requests decoded together (paged mode; unpaged runs one at a time)."
+    )
+    max_chunk_size: int | None = Field(
+        default=None,
+        ge=_PAGE,
+        description="Prompt tokens evaluated per step, a multiple of 256; default 2048. Smaller "
+        "chunks pause running requests for less time when a long prompt arrives.",
+    )
+    paged: bool | None = Field(
+        default=None,
+        description="Paged attention (needs flash-attn >= 2.5.7), which batching requires; None: "
+        "on when exllamav2 found such a flash-attn.",
+    )
+    draft_model: str | None = Field(
+        default=None,
+        description="A small model directory with the same vocabulary, for speculative decoding.",
+    )
+    seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
+
+    @field_validator("max_chunk_size")
+    @classmethod
+    def _whole_pages(cls, value: int | None) -> int | None:
+        if value is not None and value % _PAGE:
+            raise ValueError(f"must be a multiple of {_PAGE}")
+        return value
+
+    @field_validator("gpu_split")
+    @classmethod
+    def _positive(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and (not value or any(gb <= 0 for gb in value)):
+            raise ValueError("give a positive number of GB for each GPU")
+        return value
+
+
+class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
+    """EXL2 and FP16/BF16 HF models through exllamav2's dynamic generator."""
+
+    name: ClassVar[str] = "exllamav2"
+    formats: ClassVar[frozenset[str]] = frozenset({"exl2", "safetensors"})
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=frozenset(
+            {
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "seed",
+                "stop",
+                "stop_token_ids",
+                "ignore_eos",
+            }
+        ),
+        batching=False,  # True on an engine in paged mode (the dynamic generator batches jobs)
+        devices=frozenset({"cuda", "rocm"}),
+    )
+    Options: ClassVar[type[BaseModel]] = ExLlamaV2Options
+    install_hint: ClassVar[str | None] = INSTALL_HINT
+
+    # ---- availability ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        if not _gpu_present():
+            return Availability(False, NO_GPU, INSTALL_HINT)
+        if importlib.util.find_spec("exllamav2") is None:
+            return Availability(False, "exllamav2 is not installed", INSTALL_HINT)
+        try:
+            version = importlib.metadata.version("exllamav2")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return Availability(True, version=version)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
+        fit = super().suitability(hardware, model, workload)
+        if fit.blockers:
+            return fit
+        why = "needs a CUDA or ROCm GPU; splits one model across several GPUs"
+        if getattr(model, "format", None) == "safetensors":
+            return Suitability(0.8, (*fit.reasons, "loads unquantized FP16/BF16 weights", why))
+        return Suitability(fit.score, (*fit.reasons, why))
+
+    # ---- load ----
+
+    def _load(self) -> None:
+        opts = self.options
+        path = _checked_dir(self.config.model, "model")
+        avail = self.available()
+        if not avail.available:
+            raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
+        if opts.max_seq_len and self.config.context_length and opts.max_seq_len != self.config.context_length:
+            raise ConfigError(
+                f"context_length={self.config.context_length} and options max_seq_len={opts.max_seq_len} "
+                "disagree; set only one"
+            )
+        try:
+            import exllamav2 as exl
+            from exllamav2 import attn
+            from exllamav2.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+        except (ImportError, OSError, RuntimeError) as exc:  # its import builds a CUDA extension
+            raise BackendUnavailable(self.name, f"exllamav2 failed to import: {exc}", INSTALL_HINT) from exc
+
+        config = _model_config(exl, path, "model")
+        n_ctx = opts.max_seq_len or self.config.context_length or min(config.max_seq_len, _DEFAULT_CONTEXT)
+        draft_tokens = _DRAFT_TOKENS if opts.draft_model else 0
+        have_paged = bool(getattr(attn, "has_flash_attn_with_paged", False)) and not config.no_flash_attn
+        paged = have_paged if opts.paged is None else opts.paged
+        if paged and not have_paged:
+            raise ConfigError(
+                "paged=True needs flash-attn >= 2.5.7 on a GPU that supports it; leave it unset"
+            )
+        batch = opts.max_batch_size if paged else 1
+        _size(config, n_ctx + draft_tokens, opts.max_chunk_size)
+        if batch * 8 > config.max_batch_size * config.max_input_len:  # 8: exllamav2's max_q_size
+            raise ConfigError(f"max_batch_size={batch} needs max_chunk_size >= {batch * 8}")
+        want = opts.cache_size or n_ctx * batch
+        cache_size = -(-max(want, n_ctx + draft_tokens) // _PAGE) * _PAGE
+        cache_cls = getattr(exl, _CACHE_CLASSES[opts.cache_type])
+
+        model, cache = _load_weights(exl, config, cache_cls, cache_size, opts.gpu_split, "model")
+        loaded = [model]
+        try:
+            draft = draft_cache = None
+            if opts.draft_model:
+                dconfig = _model_config(exl, _checked_dir(opts.draft_model, "draft model"), "draft model")
+                if dconfig.vocab_size != config.vocab_size:
+                    raise ConfigError(
+                        f"the draft model's vocabulary ({dconfig.vocab_size}) differs from the model's "
+                        f"({config.vocab_size}); speculative decoding needs the same tokenizer"
+                    )
+                _size(dconfig, n_ctx + draft_tokens, opts.max_chunk_size)
+                draft, draft_cache = _load_weights(exl, dconfig, cache_cls, cache_size, None, "draft model")
+                loaded.append(draft)
+            try:
+                tokenizer = exl.ExLlamaV2Tokenizer(config)
+            except (FileNotFoundError, ValueError, OSError) as exc:
+                raise ModelFormatError(
+                    f"exllamav2 cannot read the tokenizer of {str(path)!r}: {exc}"
+                ) from exc
+            try:
+                generator = ExLlamaV2DynamicGenerator(
+                    model=model,
+                    cache=cache,
+                    tokenizer=tokenizer,
+                    max_batch_size=batch,
+                    max_chunk_size=opts.max_chunk_size,
+                    paged=paged,
+                    draft_model=draft,
+                    draft_cache=draft_cache,
+                    num_draft_tokens=_DRAFT_TOKENS,
+                )
+            except Exception as exc:
+                raise _load_error(exc, "generator", "cache", str(path)) from exc
+        except BaseException:
+            for m in loaded:
+                m.unload()
+            raise
+        self._models = loaded
+        self._config = config
+        self._cache = cache
+        self._tokenizer = tokenizer
+        self._generator = generator
+        self._Job = ExLlamaV2DynamicJob
+        self._Settings = ExLlamaV2Sampler.Settings
+        # Tensors come from a tensor exllamav2 made (Tensor.new_tensor): no torch import here.
+        self._proto = tokenizer.single_token(0)
+        self._n_ctx = n_ctx
+        self._draft_tokens = draft_tokens
+        gen_eos = (getattr(config, "generation_config", None) or {}).get("eos_token_id") or []
+        self._eos = tuple(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *gen_eos] if t is not None))
+        tok_cfg = tokenizer.tokenizer_config_dict or {}
+        self._add_bos = bool(tok_cfg.get("add_bos_token", False))
+        self._template = _template(tok_cfg, path)
+        self._bpt = round(
+            config.num_hidden_layers
+            * config.num_key_value_heads
+            * config.head_dim
+            * _KV_BYTES[opts.cache_type]
+        )
+        self._stats_lock = threading.Lock()
+        self._queries = 0
+        self._hits = 0
+        self._runner = JobRunner(generator)
+        if paged:
+            self.capabilities = replace(type(self).capabilities, batching=True)  # type: ignore[misc]
+
+    # ---- stream ----
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
+        tok = self._tokenizer
+        if isinstance(prompt, str):
+            add_bos = self._add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
+            tensor = tok.encode(prompt, add_bos=add_bos, encode_special_tokens=True)
+            ids = [int(t) for t in tensor[0].tolist()]
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self._config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+            tensor = self._proto.new_tensor([ids])
+        if not ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if len(ids) >= self._n_ctx:
+            raise ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+        if len(ids) + params.max_tokens > self._n_ctx:
+            exc = ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+            exc.args = (
+                f"a prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} does not fit the "
+                f"context window of {self._n_ctx} tokens (ExLlamaV2 reserves the whole completion's "
+                "cache up front). Lower max_tokens, shorten the prompt or load with a larger max_seq_len.",
+            )
+            raise exc
+        return ids, tensor
+
+    def _stream(
+        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+        ids, tensor = prepared
+        req.prompt_tokens = len(ids)
+        stops: list[int | str] = [*params.stop_token_ids, *(() if params.ignore_eos else self._eos)]
+        seed = params.seed if params.seed is not None else self.options.seed
+        job = self._Job(
+            input_ids=tensor,
+            # exllamav2 ends a job num_draft_tokens early when it drafts: ask for that many more
+            max_new_tokens=params.max_tokens + self._draft_tokens,
+            gen_settings=self._settings(params),
+            seed=seed,
+            stop_conditions=list(dict.fromkeys([*stops, *params.stop])),
+        )
+        live = self._runner.submit(job)
+        finished = False
+        try:
+            while True:
+                r = live.events.get()
+                if isinstance(r, BaseException):
+                    finished = True
+                    err = _generation_error(r)
+                    if err is r:
+                        raise r
+                    raise err from r
+                text: str = r.get("text", "")
+                out = tuple(r["token_ids"][0].tolist()) if "token_ids" in r else ()
+                if r["eos"]:
+                    finished = True
+                    reason = r.get("eos_reason")
+                    if reason == "stop_token":
+                        text, out = self._held_before_stop(r)
+                    req.finish_reason = "length" if reason == "max_new_tokens" else "stop"
+                    req.prompt_tokens = r.get("prompt_tokens", len(ids))
+                    req.cached_tokens = r.get("cached_tokens")
+                    req.prefill_s = r.get("time_prefill")
+                    req.decode_s = r.get("time_generate")
+                    with self._stats_lock:
+                        self._queries += 1
+                        self._hits += bool(req.cached_tokens)
+                if text or out:
+                    yield text, out, None
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._runner.cancel(live)
+
+    def _held_before_stop(self, r: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+        """Text exllamav2 still held (a partial stop string, an unfinished character) when a stop
+        token ended the job: it reports it under ``held``, with the stop token last."""
+        held = r.get("held") or {}
+        ids = held["token_ids"][0].tolist()[:-1] if "token_ids" in held else []
+        if not ids:
+            return "", ()
+        return str(self._tokenizer.decode(self._proto.new_tensor(ids))), tuple(int(t) for t in ids)
+
+    def _settings(self, params: SamplingParams) -> Any:
+        penalties = {
+            "token_repetition_penalty": params.repetition_penalty,
+            "token_presence_penalty": params.presence_penalty,
+            "token_frequency_penalty": params.frequency_penalty,
+        }
+        if params.temperature == 0.0:
+            return self._Settings.greedy(**penalties)
+        return self._Settings(
+            temperature=params.temperature,
+            top_k=params.top_k or 0,
+            top_p=params.top_p if params.top_p < 1.0 else 0.0,
+            min_p=params.min_p,
+            **penalties,
+        )
+
+    # ---- chat and tokenizer ----
+
+    def _chat_template(self) -> str | None:
+        return self._template
+
+    def _special_tokens(self) -> dict[str, str]:
+        tok = self._tokenizer
+        return {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text, encode_special_tokens=True)[0].tolist()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        tensor = self._proto.new_tensor([int(t) for t in ids])
+        return str(self._tokenizer.decode(tensor, decode_special_tokens=True))
+
+    # ---- kv_stats ----
+
+    def kv_stats(self) -> KVStats:
+        gen, bpt = self._generator, self._bpt
+        capacity = int(self._cache.max_seq_len)
+        with self._runner.lock:
+            in_use = list(gen.referenced_pages.values())
+            used = sum(int(page.kv_position) for page in in_use)
+        paged = bool(gen.paged)
+        return KVStats(
+            capacity_tokens=capacity,
+            used_tokens=used,
+            bytes_per_token=bpt,
+            capacity_bytes=bpt * capacity,
+            used_bytes=bpt * used,
+            block_size=int(gen.page_size) if paged else None,
+            total_blocks=int(gen.max_pages) if paged else None,
+            used_blocks=len(in_use) if paged else None,
+            dtype=self.options.cache_type,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    def reset(self) -> None:
+        """Forget the cached prefix pages (the next request evaluates its whole prompt)."""
+        with self._runner.lock:
+            if self._generator.num_remaining_jobs():
+                raise GenerationError("cannot reset the KV cache while requests are running")
+            self._generator.reset_page_table()
+
+    # ---- close ----
+
+    def _close(self) -> None:
+        runner = self.__dict__.pop("_runner", None)
+        if runner is not None:
+            runner.close()
+        for model in self.__dict__.pop("_models", ()):
+            model.unload()
+        for attr in ("_generator", "_cache", "_tokenizer", "_proto"):
+            self.__dict__.pop(attr, None)
+        gc.collect()  # the generator's page table refers back to it: the cache goes at a collection
+        torch = sys.modules.get("torch")  # exllamav2 imported it; unillm never does
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---- error map ----
+
+
+def _gpu_present() -> bool:
+    forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _probe_gpu()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_gpu() -> bool:
+    """A CUDA or ROCm device, seen without importing torch: driver nodes first, nvidia-smi last
+    (WSL2 has no /dev/nvidia*)."""
+    if Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*")):
+        return True
+    if Path("/dev/kfd").exists():
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def _checked_dir(model: str, what: str) -> Path:
+    """An EXL2 or HF model directory with what exllamav2 needs, checked before any heavy work."""
+    fmt = detect_format(model)  # ModelNotFound, ModelFormatError
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise ModelFormatError(
+            f"{model!r} is a file; ExLlamaV2 reads model directories (EXL2 or FP16/BF16 safetensors "
+            "with config.json and tokenizer.json). For a .gguf file use backend='llama.cpp'."
+        )
+    if fmt not in _READS:
+        raise ModelFormatError(f"the {what} {model!r} is {fmt}; ExLlamaV2 reads EXL2, GPTQ and FP16/BF16")
+    if not any(path.glob("*.safetensors")):
+        raise ModelFormatError(f"the {what} {model!r} has no .safetensors weights")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelFormatError(f"the {what} {model!r} has no tokenizer.json, which exllamav2 needs")
+    return path
+
+
+def _model_config(exl: Any, path: Path, what: str) -> Any:
+    try:
+        config = exl.ExLlamaV2Config(str(path))  # reads config.json and indexes the weights
+        config.arch_compat_overrides(quiet=True)
+    except (AssertionError, ValueError, KeyError, TypeError, OSError) as exc:
+        raise ModelFormatError(f"exllamav2 cannot read the {what} {str(path)!r}: {exc!r}") from exc
+    return config
+
+
+def _size(config: Any, max_seq_len: int, chunk: int | None) -> None:
+    config.max_seq_len = max_seq_len
+    if chunk:
+        config.max_input_len = chunk
+        config.max_attention_size = chunk**2
+
+
+def _load_weights(
+    exl: Any, config: Any, cache_cls: Any, cache_size: int, gpu_split: list[float] | None, what: str
+) -> tuple[Any, Any]:
+    model = exl.ExLlamaV2(config)
+    stage = "weights"
+    try:
+        if gpu_split is None:  # autosplit: weights and cache fill each GPU in turn
+            stage = "weights and cache"
+            cache = cache_cls(model, max_seq_len=cache_size, lazy=True)
+            model.load_autosplit(cache, progress=False)
+        else:
+            model.load(gpu_split=list(gpu_split), progress=False)
+            stage = "cache"
+            cache = cache_cls(model, max_seq_len=cache_size)  # allocated now, beside its layers
+    except Exception as exc:
+        model.unload()
+        raise _load_error(exc, what, stage, str(config.model_dir)) from exc
+    return model, cache
+
+
+def _is_oom(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "insufficient vram" in text
+
+
+def _load_error(exc: Exception, what: str, stage: str, model: str) -> Exception:
+    if isinstance(exc, UnillmError):
+        return exc
+    if _is_oom(exc):
+        fix = {
+            "cache": "lower max_seq_len or cache_size, or use cache_type='q8' or 'q4'",
+            "weights": "use a smaller quantization or give more GPUs room in gpu_split",
+        }.get(stage, "lower cache_size or max_seq_len, use cache_type='q4', or a smaller quantization")
+        return OutOfMemory(f"the {what} of {model!r} does not fit in GPU memory ({stage}: {exc}); {fix}")
+    return ModelLoadError(f"exllamav2 failed to load the {what} of {model!r}: {exc!r}")
+
+
+def _generation_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, UnillmError):
+        return exc
+    if _is_oom(exc):
+        return OutOfMemory(f"exllamav2 ran out of GPU memory while generating: {exc}")
+    return GenerationError(f"exllamav2 failed while generating: {exc!r}")
+
+
+def _template(tok_cfg: dict[str, Any], path: Path) -> str | None:
+    """The HF chat template: tokenizer_config.json's (a string, or named templates), else
+    chat_template.jinja beside it."""
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str) and template:
+        return template
+    jinja = path / "chat_template.jinja"
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
