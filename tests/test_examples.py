@@ -56,7 +56,7 @@ def field(out: str, pattern: str) -> list[str]:
 def test_quickstart(env: dict[str, str]) -> None:
     out = run([str(EXAMPLES / "quickstart.py")], env)
     assert "backend: llama.cpp (chosen by auto)" in out
-    assert re.search(r"\+ llama\.cpp \[builtin\]: reads gguf", out)
+    assert re.search(r"\+ llama\.cpp \[builtin\]: GGUF is llama\.cpp's own format; reads gguf", out)
     # the tiny model was built into the module's cache, not the user's
     assert f"model:   {env['UNILLM_CACHE']}" in out
     stream_finish, chat_finish = field(out, r"\nfinish: (\w+)")

@@ -334,9 +334,9 @@ def test_selection_explains_the_choice(tiny_gguf: Path) -> None:
         text = e.selection.explain()
         assert "backend: llama.cpp (chosen by auto)" in text
         assert (
-            "+ llama.cpp [builtin]: reads gguf; uses one GPU at most (never split across GPUs); installed"
-            in text
+            "+ llama.cpp [builtin]: GGUF is llama.cpp's own format; reads gguf; uses one GPU at most" in text
         )
+        assert "the ten questions:" in text
 
 
 def test_options_reach_llama_cpp(tiny_gguf: Path) -> None:

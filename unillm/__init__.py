@@ -22,8 +22,19 @@ __version__ = "0.1.0"
 _LAZY = {
     "auto_engine": "unillm._auto",
     "load_engine": "unillm._auto",
-    "Selection": "unillm._auto",
-    "Candidate": "unillm._auto",
+    "Selection": "unillm._select",
+    "Candidate": "unillm._select",
+    "select": "unillm._select",
+    "Hardware": "unillm._hardware",
+    "GPU": "unillm._hardware",
+    "detect_hardware": "unillm._hardware",
+    "load_hardware": "unillm._hardware",
+    "ModelInfo": "unillm._inspect",
+    "inspect_model": "unillm._inspect",
+    "Workload": "unillm._plan",
+    "Plan": "unillm._plan",
+    "Placement": "unillm._plan",
+    "plan": "unillm._plan",
     "read_config": "unillm._config",
     "detect_format": "unillm._inspect",
     "Engine": "unillm._engine",
@@ -75,14 +86,19 @@ __all__ = [
     "Engine",
     "EngineClosed",
     "EngineConfig",
+    "GPU",
     "GenerationError",
+    "Hardware",
     "KVStats",
     "ModelFormatError",
+    "ModelInfo",
     "ModelLoadError",
     "ModelNotFound",
     "NoOptions",
     "NoSuitableBackend",
     "OutOfMemory",
+    "Placement",
+    "Plan",
     "PluginError",
     "Registry",
     "Request",
@@ -95,18 +111,24 @@ __all__ = [
     "UnknownBackend",
     "UnsupportedParameter",
     "Usage",
+    "Workload",
     "auto_engine",
     "backends",
     "detect_format",
+    "detect_hardware",
     "hookimpl",
+    "inspect_model",
     "load_engine",
+    "load_hardware",
+    "plan",
     "read_config",
+    "select",
 ]
 
 if TYPE_CHECKING:
     from typing import Any
 
-    from unillm._auto import Candidate, Selection, auto_engine, load_engine
+    from unillm._auto import auto_engine, load_engine
     from unillm._config import read_config
     from unillm._engine import Engine, NoOptions, Request, UnillmWarning
     from unillm._errors import (
@@ -125,8 +147,11 @@ if TYPE_CHECKING:
         UnknownBackend,
         UnsupportedParameter,
     )
-    from unillm._inspect import detect_format
+    from unillm._hardware import GPU, Hardware, detect_hardware, load_hardware
+    from unillm._inspect import ModelInfo, detect_format, inspect_model
+    from unillm._plan import Placement, Plan, Workload, plan
     from unillm._plugins import BackendInfo, Registry, backends
+    from unillm._select import Candidate, Selection, select
     from unillm._types import (
         Availability,
         Capabilities,

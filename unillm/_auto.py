@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm._config import read_config
@@ -25,51 +25,13 @@ from unillm._errors import (
 )
 from unillm._inspect import detect_format
 from unillm._plugins import Registry, default_registry, normalize_name
+from unillm._select import Candidate, Selection, select
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
     from unillm._types import EngineConfig
 
 __all__ = ["Candidate", "Selection", "auto_engine", "load_engine"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One backend the selection considered."""
-
-    name: str
-    source: str
-    eligible: bool
-    reasons: tuple[str, ...] = ()
-    blockers: tuple[str, ...] = ()
-
-
-@dataclass
-class Selection:
-    """What was chosen for a model, by whom, and why; ``explain()`` renders it."""
-
-    model: str
-    format: str
-    backend: str
-    chosen_by: Literal["config", "environment", "auto"]
-    candidates: list[Candidate] = field(default_factory=list)
-    steps: list[str] = field(default_factory=list)
-
-    def explain(self) -> str:
-        """A plain-text account: the choice, then every candidate with its reasons."""
-        lines = [
-            f"model:   {self.model} (format: {self.format})",
-            f"backend: {self.backend} (chosen by {self.chosen_by})",
-            "candidates:",
-        ]
-        for c in self.candidates:
-            mark = "+" if c.eligible else "-"
-            why = "; ".join(c.reasons + c.blockers) or "no reason recorded"
-            lines.append(f"  {mark} {c.name} [{c.source}]: {why}")
-        if self.steps:
-            lines.append("steps:")
-            lines.extend(f"  {i}. {s}" for i, s in enumerate(self.steps, 1))
-        return "\n".join(lines)
 
 
 def auto_engine(
@@ -108,13 +70,15 @@ def load_engine(
 
 
 def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
+    backends = registry.backends()
+    available = {name: info.availability() for name, info in backends.items()}
     if cfg.backend:
         env_backend = os.environ.get("UNILLM_BACKEND", "")
         by: Literal["config", "environment", "auto"] = (
             "environment" if normalize_name(env_backend) == normalize_name(cfg.backend) else "config"
         )
         cls = registry.get(cfg.backend)
-        avail = cls.available()
+        avail = available.get(cls.name) or cls.available()
         if not avail.available:
             raise BackendUnavailable(cls.name, avail.reason, avail.install_hint)
         # A forced backend may read what unillm cannot detect (a plugin's own format, a model
@@ -124,18 +88,21 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         except (ModelFormatError, ModelNotFound):
             fmt = "unknown"
         order = [cls]
-        selection = Selection(cfg.model, fmt, cls.name, by, _candidates(fmt, registry, cfg.model))
+        selection = select(
+            None, _ModelRef(cfg.model, fmt), None, backends, available=available, requested=cls.name
+        )
+        selection.chosen_by = by
         if fmt != "unknown" and fmt not in cls.formats:
             note = f"{cls.name} was asked for, but it does not list {fmt} among its formats"
             warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
             selection.steps.append(note)
     else:
         fmt = detect_format(cfg.model)
-        candidates = _candidates(fmt, registry, cfg.model)
-        order = [registry.get(c.name) for c in candidates if c.eligible]
+        selection = select(None, _ModelRef(cfg.model, fmt), None, backends, available=available)
+        order = [registry.get(c.name) for c in selection.candidates if c.eligible]
         if not order:
-            raise NoSuitableBackend(cfg.model, [(c.name, "; ".join(c.blockers)) for c in candidates])
-        selection = Selection(cfg.model, fmt, order[0].name, "auto", candidates)
+            rejected = [(c.name, "; ".join(c.blockers)) for c in selection.candidates]
+            raise NoSuitableBackend(cfg.model, rejected)
     last_error: Exception | None = None
     for cls in order:
         engine = cls(cfg)
@@ -154,25 +121,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
 
 @dataclass(frozen=True)
 class _ModelRef:
-    """What the selection knows about the model so far (full inspection comes with the selector)."""
+    """What the selection knows about the model before full inspection: its path and format."""
 
     path: str
     format: str
-
-
-def _candidates(fmt: str, registry: Registry, model: str = "") -> list[Candidate]:
-    out = []
-    for info in registry.backends().values():
-        try:
-            fit = info.cls.suitability(None, _ModelRef(model, fmt), None)
-            reasons, blockers = list(fit.reasons), list(fit.blockers)
-        except Exception as exc:  # a plugin's bug must not break selection
-            reasons, blockers = [], [f"its suitability check failed: {exc!r}"]
-        avail = info.availability()
-        if avail.available:
-            reasons.append(f"installed{f' ({avail.version})' if avail.version else ''}")
-        else:
-            hint = f"; install: {avail.install_hint}" if avail.install_hint else ""
-            blockers.append(f"unavailable: {avail.reason}{hint}")
-        out.append(Candidate(info.name, info.source, not blockers, tuple(reasons), tuple(blockers)))
-    return out

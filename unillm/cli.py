@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from pathlib import Path
@@ -58,16 +57,148 @@ def backends_cmd() -> None:
 
 @app.command()
 def doctor() -> None:
-    """Check this machine: Python, memory, installed engines, plugin failures."""
+    """Check this machine: Python, hardware, installed engines, plugin failures."""
+    from unillm._hardware import detect_hardware
+
     console = _console()
     console.print(f"python   {platform.python_version()} ({sys.executable})")
-    console.print(f"platform {platform.platform()} {platform.machine()}, {os.cpu_count()} CPUs")
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        console.print(f"memory   {mem / 2**30:.1f} GiB")
-    except (ValueError, OSError, AttributeError):
-        console.print("memory   unknown")
+    console.print(f"platform {platform.platform()}")
+    for line in detect_hardware().summary_lines():
+        console.print(line, highlight=False)
     backends_cmd()
+
+
+def _workload(context: int | None, concurrency: int, goal: str) -> Any:
+    from unillm._plan import Workload
+
+    if goal not in ("latency", "throughput", "cost", "portability"):
+        raise _fail(ValueError(f"unknown goal {goal!r}; use latency, throughput, cost or portability"))
+    return Workload(context_length=context or 4096, concurrency=concurrency, goal=goal)  # type: ignore[arg-type]
+
+
+def _hardware(profile: Path | None) -> Any:
+    from unillm._hardware import detect_hardware, load_hardware
+
+    return load_hardware(profile) if profile else detect_hardware()
+
+
+def _dump(value: Any) -> None:
+    import dataclasses
+    import json
+
+    def default(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.asdict(obj)
+        return str(obj)
+
+    print(json.dumps(value, default=default, indent=2))
+
+
+@app.command("inspect")
+def inspect_cmd(
+    model: Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Read a model's format, quantization, size and shape from its headers (never its weights)."""
+    from unillm import UnillmError
+    from unillm._inspect import inspect_model
+
+    try:
+        info = inspect_model(model)
+    except UnillmError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        _dump(info)
+        return
+    for name, value in vars(info).items() if hasattr(info, "__dict__") else _fields(info):
+        if value not in (None, (), False):
+            print(f"{name:18s} {value}")
+    kv = info.kv_bytes_per_token()
+    if kv:
+        print(f"{'kv bytes/token':18s} {kv} (f16)")
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    import dataclasses
+
+    return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+
+
+@app.command("plan")
+def plan_cmd(
+    model: Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")],
+    context: Annotated[int | None, typer.Option(help="Context length per sequence.")] = None,
+    concurrency: Annotated[int, typer.Option(help="Sequences at once.")] = 1,
+    goal: Annotated[str, typer.Option(help="latency, throughput, cost or portability.")] = "latency",
+    hardware: Annotated[
+        Path | None, typer.Option(help="A hardware profile (JSON); default: this machine.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Will MODEL fit, where, and how fast can decode be? (memory and bandwidth math)"""
+    from unillm import UnillmError
+    from unillm._inspect import inspect_model
+    from unillm._plan import plan
+
+    try:
+        result = plan(inspect_model(model), _hardware(hardware), _workload(context, concurrency, goal))
+    except UnillmError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        _dump(result)
+        return
+    gib = 2**30
+    print(f"weights   {result.weights_bytes / gib:8.2f} GiB")
+    print(f"kv cache  {result.kv_bytes / gib:8.2f} GiB ({result.kv_bytes_per_token} bytes/token)")
+    print(f"overhead  {result.overhead_bytes / gib:8.2f} GiB")
+    print(
+        f"total     {result.total_bytes / gib:8.2f} GiB: {'fits' if result.fits else 'does NOT fit'}, "
+        f"headroom {result.headroom_bytes / gib:.2f} GiB"
+    )
+    for p in result.placements:
+        print(f"  {p.device}: weights {p.weights_bytes / gib:.2f} GiB, kv {p.kv_bytes / gib:.2f} GiB")
+    if result.gpu_layers is not None:
+        print(f"gpu layers {result.gpu_layers}")
+    if result.decode_tokens_per_s_ceiling:
+        print(f"decode ceiling {result.decode_tokens_per_s_ceiling:.0f} tok/s per sequence")
+    for note in result.notes:
+        print(f"note: {note}")
+
+
+@app.command("select")
+def select_cmd(
+    model: Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")],
+    context: Annotated[int | None, typer.Option(help="Context length per sequence.")] = None,
+    concurrency: Annotated[int, typer.Option(help="Sequences at once.")] = 1,
+    goal: Annotated[str, typer.Option(help="latency, throughput, cost or portability.")] = "latency",
+    hardware: Annotated[
+        Path | None, typer.Option(help="A hardware profile (JSON); default: this machine.")
+    ] = None,
+    explain: Annotated[bool, typer.Option(help="Print every candidate and the ten questions.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Which backend should run MODEL here, and why."""
+    from unillm import UnillmError
+    from unillm._inspect import inspect_model
+    from unillm._plan import plan
+    from unillm._plugins import default_registry
+    from unillm._select import select
+
+    try:
+        info = inspect_model(model)
+        hw = _hardware(hardware)
+        wl = _workload(context, concurrency, goal)
+        backends = default_registry().backends()
+        available = {n: b.availability() for n, b in backends.items()}
+        result = select(hw, info, wl, backends, available=available, plan=plan(info, hw, wl))
+    except UnillmError as exc:
+        raise _fail(exc) from exc
+    if as_json:
+        _dump(result)
+    elif explain:
+        print(result.explain())
+    else:
+        print(result.backend or f"none installed; {result.recommendation}")
 
 
 @app.command()

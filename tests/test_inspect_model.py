@@ -1,0 +1,582 @@
+"""inspect_model on every format unillm can build or write itself, and on hostile files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+import struct
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from unillm import ModelFormatError, ModelNotFound, detect_format
+from unillm._inspect import GGML_BLOCKS, inspect_model, read_gguf_header
+from unillm.testing import SIZES, TinyModel
+
+gguf = pytest.importorskip("gguf")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+Tensor = tuple[str, Sequence[int], int]  # name, shape (elements), ggml type
+
+
+def write_gguf(
+    path: Path,
+    tensors: Sequence[Tensor],
+    *,
+    arch: str = "llama",
+    kv: dict[str, Any] | None = None,
+    file_type: int | None = None,
+    data: bool = True,
+    split_max_tensors: int = 0,
+) -> Path:
+    """A GGUF written with gguf's own writer; ``data=False`` writes the header only."""
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    if file_type is not None:
+        w.add_file_type(file_type)
+    for template, value in (kv or {}).items():
+        key = template.replace("{arch}", arch)
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_string(key, value)
+    for name, shape, ttype in tensors:
+        per_block, block_bytes = GGML_BLOCKS[ttype]
+        elements = int(np.prod(shape))
+        nbytes = elements // per_block * block_bytes
+        if data:
+            raw = np.zeros((*shape[:-1], shape[-1] // per_block * block_bytes), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(ttype))
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, gguf.GGMLQuantizationType(ttype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    if data:
+        w.write_tensors_to_file()
+    else:
+        w.write_ti_data_to_file()
+    w.close()
+    return path
+
+
+LLAMA_KV = {
+    "{arch}.block_count": 2,
+    "{arch}.embedding_length": 256,
+    "{arch}.attention.head_count": 4,
+    "{arch}.attention.head_count_kv": 2,
+    "{arch}.context_length": 8192,
+}
+
+
+def llama_tensors(ttype: int, layers: int = 2, hidden: int = 256) -> list[Tensor]:
+    out: list[Tensor] = [("token_embd.weight", (512, hidden), ttype)]
+    for i in range(layers):
+        out += [
+            (f"blk.{i}.attn_q.weight", (hidden, hidden), ttype),
+            (f"blk.{i}.attn_norm.weight", (hidden,), 0),
+        ]
+    return out
+
+
+# ---- the project's own tiny models ----------------------------------------------------------
+
+
+def test_tiny_gguf(tiny: TinyModel) -> None:
+    spec = SIZES["small"]
+    info = inspect_model(tiny.gguf_path)
+    assert info.format == "gguf" and info.architecture == "llama"
+    assert info.quantization == "F32" and info.bits_per_weight == 32.0
+    assert info.parameters == info.active_parameters == spec.n_params
+    assert info.weights_bytes == 4 * spec.n_params
+    assert (info.layers, info.hidden_size, info.heads, info.kv_heads, info.head_dim) == (
+        spec.num_layers,
+        spec.hidden_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+    )
+    assert info.context_length == spec.max_position_embeddings and info.vocab_size == spec.vocab_size
+    assert not (info.is_moe or info.multimodal or info.hybrid_attention)
+    assert info.kv_bytes_per_token() == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+    assert info.files == (str(tiny.gguf_path),)
+    assert inspect_model(tiny.root).parameters == spec.n_params  # a directory holding one GGUF
+
+
+def test_tiny_hf(tiny: TinyModel) -> None:
+    spec = SIZES["small"]
+    info = inspect_model(tiny.hf_dir)
+    assert info.format == detect_format(tiny.hf_dir) == "safetensors"
+    assert info.architecture == "llama" and info.quantization == "f32"
+    assert info.parameters == info.active_parameters == spec.n_params
+    assert info.weights_bytes == 4 * spec.n_params and info.bits_per_weight == 32.0
+    assert (info.layers, info.heads, info.kv_heads, info.head_dim, info.vocab_size) == (
+        spec.num_layers,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.vocab_size,
+    )
+    assert inspect_model(tiny.hf_dir / "model.safetensors").parameters == spec.n_params
+    gguf_info = inspect_model(tiny.gguf_path)
+    assert info.kv_bytes_per_token() == gguf_info.kv_bytes_per_token()
+
+
+# ---- GGUF variants ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("file_type", "ttype", "name", "bpw"),
+    [
+        (gguf.LlamaFileType.MOSTLY_Q8_0, 8, "Q8_0", 8.5),
+        (gguf.LlamaFileType.MOSTLY_Q4_0, 2, "Q4_0", 4.5),
+        (gguf.LlamaFileType.MOSTLY_Q4_K_M, 12, "Q4_K_M", 4.5),
+        (gguf.LlamaFileType.MOSTLY_Q6_K, 14, "Q6_K", 6.5625),
+        (gguf.LlamaFileType.MOSTLY_IQ2_XXS, 16, "IQ2_XXS", 2.0625),
+        (gguf.LlamaFileType.MOSTLY_BF16, 30, "BF16", 16.0),
+        (gguf.LlamaFileType.MOSTLY_F16, 1, "F16", 16.0),
+    ],
+)
+def test_quantized_gguf(tmp_path: Path, file_type: int, ttype: int, name: str, bpw: float) -> None:
+    tensors = [(n, s, ttype) for n, s, _ in llama_tensors(ttype) if len(s) == 2]
+    path = write_gguf(tmp_path / "q.gguf", tensors, kv=LLAMA_KV, file_type=int(file_type))
+    info = inspect_model(path)
+    assert info.quantization == name
+    assert info.parameters == 512 * 256 + 2 * 256 * 256
+    assert info.bits_per_weight == pytest.approx(bpw)
+    assert info.head_dim == 64 and info.kv_heads == 2 and info.context_length == 8192
+
+
+def test_gguf_without_file_type_names_the_dominant_tensor_type(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "q.gguf", llama_tensors(8), kv=LLAMA_KV)
+    assert inspect_model(path).quantization == "Q8_0"
+    guessed = write_gguf(tmp_path / "g.gguf", llama_tensors(8), kv=LLAMA_KV, file_type=7 | 1024)
+    assert inspect_model(guessed).quantization == "Q8_0"
+
+
+def test_split_gguf(tmp_path: Path) -> None:
+    tensors = llama_tensors(0, layers=3)
+    write_gguf(tmp_path / "m.gguf", tensors, kv=LLAMA_KV, split_max_tensors=2)
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) == 4
+    whole = sum(int(np.prod(s)) for _, s, _ in tensors)
+    for part in (parts[0], parts[-1]):
+        info = inspect_model(part)
+        assert info.parameters == whole and info.weights_bytes == 4 * whole
+        assert info.files == tuple(str(p) for p in parts)
+        assert info.architecture == "llama" and info.layers == 2
+    assert inspect_model(tmp_path).parameters == whole  # the directory of parts
+    parts[2].unlink()
+    with pytest.raises(ModelFormatError, match="missing"):
+        inspect_model(parts[0])
+
+
+def test_moe_gguf(tmp_path: Path) -> None:
+    kv = {**LLAMA_KV, "{arch}.expert_count": 8, "{arch}.expert_used_count": 2}
+    experts: list[Tensor] = [
+        (f"blk.{i}.ffn_{w}_exps.weight", (8, 512, 256), 8) for i in range(2) for w in ("up", "down")
+    ]
+    path = write_gguf(tmp_path / "moe.gguf", llama_tensors(8) + experts, arch="qwen3moe", kv=kv)
+    info = inspect_model(path)
+    dense = 512 * 256 + 2 * (256 * 256 + 256)
+    expert = 4 * 8 * 512 * 256
+    assert info.is_moe and (info.experts, info.experts_per_token) == (8, 2)
+    assert info.parameters == dense + expert
+    assert info.active_parameters == dense + expert // 4
+
+
+def test_multimodal_and_hybrid_gguf(tmp_path: Path) -> None:
+    proj = write_gguf(tmp_path / "mmproj.gguf", [("v.patch_embd.weight", (64, 64), 1)], arch="clip")
+    assert inspect_model(proj).multimodal
+    d = tmp_path / "vlm"
+    d.mkdir()
+    write_gguf(d / "model.gguf", llama_tensors(0), kv=LLAMA_KV)
+    shutil.copy(proj, d / "mmproj-model-f16.gguf")
+    assert inspect_model(d).multimodal
+    assert not inspect_model(d / "model.gguf").multimodal
+    swa = {**LLAMA_KV, "{arch}.attention.sliding_window": 4096}
+    gemma = write_gguf(tmp_path / "g.gguf", llama_tensors(0), arch="gemma2", kv=swa)
+    assert inspect_model(gemma).hybrid_attention
+    ssm = {**LLAMA_KV, "{arch}.ssm.state_size": 16}
+    jamba = write_gguf(tmp_path / "j.gguf", llama_tensors(0), arch="jamba", kv=ssm)
+    assert inspect_model(jamba).hybrid_attention
+
+
+def sparse_gguf(path: Path, total_bytes: int) -> Path:
+    """A GGUF whose header claims ``total_bytes`` of F16 weights, the data a sparse hole."""
+    layers = 40
+    per = total_bytes // (2 * layers * 4) // 4096 * 4096
+    tensors: list[Tensor] = [
+        (f"blk.{i}.ffn_{k}.weight", (per // 4096, 4096), 1) for i in range(layers) for k in "abcd"
+    ]
+    write_gguf(path, tensors, kv=LLAMA_KV, file_type=1, data=False)
+    end = read_gguf_header(path).data_end
+    assert end is not None
+    with path.open("r+b") as f:
+        f.truncate(end)
+    return path
+
+
+def test_sparse_40gb_gguf_is_inspected_from_its_header(tmp_path: Path) -> None:
+    path = sparse_gguf(tmp_path / "big.gguf", 40 * 10**9)
+    t0 = time.perf_counter()
+    info = inspect_model(path)
+    assert time.perf_counter() - t0 < 1.0
+    assert info.weights_bytes == pytest.approx(40e9, rel=0.01)
+    assert info.quantization == "F16" and info.bits_per_weight == 16.0
+    assert info.parameters == pytest.approx(20e9, rel=0.01)
+
+
+# ---- Hugging Face directories ----------------------------------------------------------------
+
+
+def write_hf(d: Path, config: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    if tensors is not None:
+        safetensors_numpy.save_file(tensors, str(d / "model.safetensors"))
+    return d
+
+
+BASE = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_sharded_safetensors(tiny: TinyModel, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    d = tmp_path / "sharded"
+    d.mkdir()
+    shutil.copy(tiny.hf_dir / "config.json", d / "config.json")
+    tensors = load_file(str(tiny.hf_dir / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, chunk in enumerate((names[::2], names[1::2])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        safetensors_numpy.save_file({n: tensors[n] for n in chunk}, str(d / shard))
+        weight_map.update(dict.fromkeys(chunk, shard))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    info = inspect_model(d)
+    assert info.parameters == SIZES["small"].n_params and len(info.files) == 2
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match="missing"):
+        inspect_model(d)
+
+
+def packed(rows: int, cols: int, bits: int) -> dict[str, np.ndarray]:
+    """A GPTQ-style linear layer: int32 words of 32/bits weights, plus scales and zeros."""
+    return {
+        "model.layers.0.mlp.up_proj.qweight": np.zeros((rows * bits // 32, cols), np.int32),
+        "model.layers.0.mlp.up_proj.scales": np.zeros((rows // 128, cols), np.float16),
+        "model.layers.0.mlp.up_proj.qzeros": np.zeros((rows // 128, cols * bits // 32), np.int32),
+        "model.embed_tokens.weight": np.zeros((512, 256), np.float16),
+    }
+
+
+@pytest.mark.parametrize(
+    ("quant", "fmt", "name", "group"),
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "awq", "awq-4bit", 128),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "gptq", "gptq-8bit", 32),
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "fp8", "fp8", None),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {"g0": {"weights": {"num_bits": 4, "group_size": 64}}},
+            },
+            "compressed-tensors",
+            "compressed-tensors-4bit",
+            64,
+        ),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes", "bitsandbytes-4bit", None),
+        ({"quant_method": "mxfp4"}, "mxfp4", "mxfp4", 32),
+        ({"quant_method": "exl2", "bits": 4.65}, "exl2", "exl2-4.65bit", None),
+        ({"quant_method": "exl3", "bits": 3.0}, "exl3", "exl3-3bit", None),
+    ],
+)
+def test_quantization_config(
+    tmp_path: Path, quant: dict[str, Any], fmt: str, name: str, group: int | None
+) -> None:
+    info = inspect_model(write_hf(tmp_path / fmt, {**BASE, "quantization_config": quant}))
+    assert (info.format, info.quantization, info.group_size) == (fmt, name, group)
+    assert info.format == detect_format(tmp_path / fmt)
+    assert info.layers == 2 and info.head_dim == 64 and info.parameters is None  # no weights: unknown
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_weights_are_unpacked(tmp_path: Path, bits: int) -> None:
+    config = {**BASE, "quantization_config": {"quant_method": "gptq", "bits": bits, "group_size": 128}}
+    info = inspect_model(write_hf(tmp_path / "g", config, packed(1024, 256, bits)))
+    assert info.parameters == 1024 * 256 + 512 * 256
+    assert info.weights_bytes is not None and info.bits_per_weight is not None
+    assert bits < info.bits_per_weight < 16
+
+
+def test_mlx(tmp_path: Path) -> None:
+    tensors: dict[str, np.ndarray] = {
+        "model.layers.0.mlp.up_proj.weight": np.zeros((1024, 256 * 4 // 32), np.uint32),
+        "model.layers.0.mlp.up_proj.scales": np.zeros((1024, 256 // 64), np.float16),
+        "model.layers.0.mlp.up_proj.biases": np.zeros((1024, 256 // 64), np.float16),
+    }
+    info = inspect_model(
+        write_hf(tmp_path / "mlx", {**BASE, "quantization": {"bits": 4, "group_size": 64}}, tensors)
+    )
+    assert (info.format, info.quantization, info.group_size) == ("mlx", "mlx-4bit", 64)
+    assert info.parameters == 1024 * 256 and info.bits_per_weight == pytest.approx(4.5)
+
+
+def test_exl2_recognised_by_tensor_names(tmp_path: Path) -> None:
+    tensors: dict[str, np.ndarray] = {
+        "model.layers.0.self_attn.q_proj.q_weight": np.zeros((64, 256), np.int32),
+        "model.layers.0.self_attn.q_proj.q_scale": np.zeros((8, 32), np.int32),
+        "model.layers.0.self_attn.q_proj.q_groups": np.zeros((4,), np.int16),
+        "model.embed_tokens.weight": np.zeros((512, 256), np.float16),
+    }
+    d = write_hf(tmp_path / "exl2", dict(BASE), tensors)
+    assert detect_format(d) == "safetensors"  # no quant_method: only the tensor names tell
+    info = inspect_model(d)
+    assert info.format == "exl2" and info.quantization == "exl2"
+    assert info.parameters is None and info.weights_bytes is not None  # bits unknown: not guessed
+    (d / "config.json").write_text(json.dumps({**BASE, "quantization_config": {"bits": 8.0}}))
+    info = inspect_model(d)
+    assert info.quantization == "exl2-8bit" and info.parameters == 256 * 256 + 512 * 256
+
+
+def test_moe_multimodal_hybrid_configs(tmp_path: Path) -> None:
+    expert = np.zeros((64, 256), np.float16)
+    tensors = {f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight": expert for e in range(8)}
+    tensors["model.embed_tokens.weight"] = np.zeros((512, 256), np.float16)
+    moe = {
+        **BASE,
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "torch_dtype": "bfloat16",
+    }
+    info = inspect_model(write_hf(tmp_path / "moe", moe, tensors))
+    assert info.is_moe and info.experts_per_token == 2 and info.quantization == "f16"
+    assert info.parameters == 8 * 64 * 256 + 512 * 256
+    assert info.active_parameters == 2 * 64 * 256 + 512 * 256
+
+    vlm = {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": BASE,
+        "vision_config": {"hidden_size": 1024},
+        "torch_dtype": "bfloat16",
+    }
+    info = inspect_model(write_hf(tmp_path / "vlm", vlm))
+    assert info.multimodal and info.layers == 2 and info.kv_heads == 2 and info.quantization == "bf16"
+    assert not info.hybrid_attention
+
+    hybrid = {**BASE, "model_type": "gemma3_text", "layer_types": ["sliding_attention", "full_attention"]}
+    assert inspect_model(write_hf(tmp_path / "hybrid", hybrid)).hybrid_attention
+    jamba = {**BASE, "model_type": "custom", "attn_layer_period": 8}
+    assert inspect_model(write_hf(tmp_path / "jamba", jamba)).hybrid_attention
+    plain = inspect_model(write_hf(tmp_path / "plain", BASE))
+    assert not (plain.hybrid_attention or plain.multimodal or plain.is_moe)
+
+
+# ---- repo ids: the local cache only ----------------------------------------------------------
+
+
+def test_repo_id_resolves_through_the_local_cache_only(
+    tiny: TinyModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFound):
+        inspect_model("unillm-test/not-cached")
+    commit = "0" * 40
+    repo = tmp_path / "models--unillm-test--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny.hf_dir, repo / "snapshots" / commit)
+    assert inspect_model("unillm-test/tiny").parameters == SIZES["small"].n_params
+
+
+# ---- hostile files ---------------------------------------------------------------------------
+
+_KEY = struct.pack("<Q", 1) + b"k"
+
+
+def _gguf_bytes(n_tensors: int, n_kv: int, body: bytes) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + body
+
+
+def _safetensors_bytes(header: bytes, length: int | None = None, payload: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header) if length is None else length) + header + payload
+
+
+_DEEP = b"[" * 200_000 + b"]" * 200_000
+_GGUF_CASES: dict[str, bytes] = {
+    "wrong magic": b"GGUG" + bytes(60),
+    "version": b"GGUF" + struct.pack("<IQQ", 99, 0, 0),
+    "truncated header": _gguf_bytes(0, 3, _KEY),
+    "lying string length": _gguf_bytes(0, 1, struct.pack("<Q", 1 << 60)),
+    "huge counts": _gguf_bytes(1 << 40, 1 << 40, b""),
+    "tensors beyond the file": _gguf_bytes(100_000, 0, bytes(64)),
+    "huge array": _gguf_bytes(0, 1, _KEY + struct.pack("<IIQ", 9, 8, 1 << 50)),
+    "huge string array item": _gguf_bytes(0, 1, _KEY + struct.pack("<IIQQ", 9, 8, 2, 1 << 60)),
+    "unknown value type": _gguf_bytes(0, 1, _KEY + struct.pack("<I", 77)),
+    "huge tensor": _gguf_bytes(
+        1, 0, _KEY + struct.pack("<I", 4) + struct.pack("<4Q", *[1 << 20] * 4) + bytes(12)
+    ),
+    "too many dims": _gguf_bytes(1, 0, _KEY + struct.pack("<I", 1000) + bytes(40)),
+}
+_ST_CASES: dict[str, bytes] = {
+    "huge header length": _safetensors_bytes(b"{}", length=1 << 62),
+    "header past the end": _safetensors_bytes(b"{}", length=5000),
+    "not json": _safetensors_bytes(b"{nope"),
+    "deep nesting": _safetensors_bytes(_DEEP),
+    "not an object": _safetensors_bytes(b"[1, 2]"),
+    "offsets past payload": _safetensors_bytes(
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1000000]}}'
+    ),
+    "negative shape": _safetensors_bytes(b'{"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 0]}}'),
+    "huge shape": _safetensors_bytes(b'{"w": {"dtype": "F32", "shape": [1e300], "data_offsets": [0, 0]}}'),
+    "reversed offsets": _safetensors_bytes(
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', payload=bytes(4)
+    ),
+    "entry not a dict": _safetensors_bytes(b'{"w": 3}'),
+}
+_CONFIG_CASES: dict[str, tuple[str, bytes]] = {
+    "deep config": ("config.json", b'{"a": ' + _DEEP + b"}"),
+    "config not an object": ("config.json", b"[]"),
+    "config not json": ("config.json", b"\xff\xfe{"),
+    "deep index": ("model.safetensors.index.json", b'{"weight_map": ' + _DEEP + b"}"),
+    "index escapes": ("model.safetensors.index.json", b'{"weight_map": {"w": "../../etc/passwd"}}'),
+    "index without map": ("model.safetensors.index.json", b'{"weight_map": []}'),
+}
+
+
+def _hostile_cases() -> list[tuple[str, Callable[[Path], Path]]]:
+    cases: list[tuple[str, Callable[[Path], Path]]] = []
+
+    def file(name: str, data: bytes) -> Callable[[Path], Path]:
+        def make(tmp: Path) -> Path:
+            (tmp / name).write_bytes(data)
+            return tmp / name
+
+        return make
+
+    def directory(name: str, data: bytes) -> Callable[[Path], Path]:
+        def make(tmp: Path) -> Path:
+            (tmp / "config.json").write_text(json.dumps(BASE))
+            (tmp / name).write_bytes(data)
+            return tmp
+
+        return make
+
+    cases += [(f"gguf: {k}", file("m.gguf", v)) for k, v in _GGUF_CASES.items()]
+    cases += [(f"safetensors: {k}", directory("model.safetensors", v)) for k, v in _ST_CASES.items()]
+    cases += [(f"hf: {k}", directory(n, v)) for k, (n, v) in _CONFIG_CASES.items()]
+    return cases
+
+
+@pytest.mark.parametrize(("label", "make"), _hostile_cases(), ids=[c[0] for c in _hostile_cases()])
+def test_hostile_files_raise_typed_errors_quickly_without_allocating(
+    tmp_path: Path, label: str, make: Callable[[Path], Path]
+) -> None:
+    path = make(tmp_path)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ModelFormatError):
+            inspect_model(path)
+        elapsed = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 2.0, label
+    # the deep-nesting cases hold their own 400 kB input; nothing may approach what was claimed
+    assert peak < 16 * 2**20, f"{label}: {peak} bytes"
+
+
+def test_safetensors_header_over_100_mb_is_refused_unread(tmp_path: Path) -> None:
+    d = write_hf(tmp_path / "big", BASE)
+    with (d / "model.safetensors").open("wb") as f:
+        f.write(_safetensors_bytes(b"{", length=150 * 2**20))
+        f.truncate(200 * 2**20)  # sparse: the claimed header is there, and never read
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match="header length"):
+            inspect_model(d)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
+
+
+_NESTED: list[Any] = [1]
+for _ in range(600):  # deep, but within what json.loads accepts
+    _NESTED = [_NESTED]
+
+
+@pytest.mark.parametrize("junk", [None, True, -1, 2**70, 1.5, "x", [], [[1]], {"a": 1}, _NESTED])
+def test_config_values_of_the_wrong_type_are_ignored(tmp_path: Path, junk: object) -> None:
+    keys = [*BASE, "architectures", "layer_types", "quantization_config", "text_config", "torch_dtype"]
+    keys += ["num_local_experts", "num_experts_per_tok", "head_dim", "vision_config", "multi_query"]
+    config = {k: junk for k in keys}
+    try:
+        info = inspect_model(write_hf(tmp_path / "junk", config))
+    except ModelFormatError:
+        return
+    assert info.layers is None or isinstance(info.layers, int)
+
+
+def test_truncated_weights_are_reported(tiny: TinyModel, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    data = tiny.gguf_path.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        inspect_model(cut)
+    d = tmp_path / "hf"
+    shutil.copytree(tiny.hf_dir, d)
+    st = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(st[: len(st) // 2])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        inspect_model(d)
+
+
+def test_mutated_gguf_headers_never_escape_as_other_errors(tiny: TinyModel, tmp_path: Path) -> None:
+    """Random byte flips in the header: an answer or ModelFormatError, never struct.error & co."""
+    data = bytearray(tiny.gguf_path.read_bytes()[:60_000])  # header and the first tensors
+    header_end = read_gguf_header(tiny.gguf_path).data_offset
+    rng = random.Random(7)
+    path = tmp_path / "m.gguf"
+    for _ in range(150):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(4, min(header_end, len(data)))] = rng.randrange(256)
+        path.write_bytes(bytes(mutated))
+        with contextlib.suppress(ModelFormatError):
+            inspect_model(path)
+
+
+def test_missing_things(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound):
+        inspect_model(tmp_path / "absent.gguf")
+    with pytest.raises(ModelNotFound):
+        inspect_model("./not/here")
+    with pytest.raises(ModelFormatError, match=r"without config\.json"):
+        inspect_model(tmp_path)

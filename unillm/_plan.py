@@ -1,0 +1,562 @@
+"""Memory and speed math: does a model fit this machine at this context and concurrency, where
+do its layers go, and how fast can decode possibly be. Pure functions over data (no I/O).
+
+Units: bytes are bytes; GiB = 2**30 bytes; bandwidth is GB/s = 10**9 bytes per second (as vendors
+quote it); speeds are tokens per second. Every figure is an estimate from headers, and every
+assumption the planner makes is written into ``Plan.notes``. docs/planner.md has worked examples.
+
+Formulas:
+
+- **weights** W = ``model.weights_bytes`` when the inspector measured it, else
+  parameters x bits per weight / 8, with bits per weight from ``model.bits_per_weight`` or, failing
+  that, from the quantization name (``BITS_PER_WEIGHT``: GGUF Q4_K_M 4.8, Q8_0 8.5, Q4_0 4.5,
+  F16 16; AWQ/GPTQ 4-bit g128 4.25; MLX 4-bit g64 4.5; fp8 8; bf16 16; ...).
+- **active weights** A = W x active_parameters / parameters for MoE (the weights one token reads),
+  else W.
+- **KV per token** = 2 (K and V) x layers x kv_heads x head_dim x bytes per element, with bytes per
+  element from ``Workload.kv_cache_dtype`` (``KV_BYTES_PER_ELEMENT``: f16/bf16 2, f32 4, fp8 1,
+  q8 = q8_0 34/32, q4 = q4_0 18/32). head_dim defaults to hidden_size / heads, kv_heads to heads.
+- **KV total** = KV per token x context x concurrency (an upper bound: paged attention allocates
+  what is used, and shared prefixes share blocks).
+- **overhead per device** = ``FIXED_OVERHEAD_BYTES`` (512 MiB: CUDA context, cuBLAS/Metal
+  workspaces, allocator slack) + ``ACTIVATION_BYTES`` (2) x context x hidden_size (f16 activations
+  and compute buffers of one context-long prefill; replicated on every device that computes).
+- **budget per device** = capacity x (1 - ``RESERVE_FRACTION``) where ``RESERVE_FRACTION`` = 0.05
+  is kept free. Capacity: a GPU's free memory (else its total); Apple's GPU working set
+  ``gpu_usable_memory_bytes`` (else ``APPLE_DEFAULT_WORKING_SET`` x RAM); system RAM available
+  (else total).
+- **placement**, the first that fits of: all on one GPU (the one with the largest budget); split
+  across the fewest GPUs that fit (weights and KV in proportion to each GPU's budget less its
+  overhead): tensor parallel when NVLink joins them (the count must divide the attention heads and
+  divide or be divided by the KV heads), else pipeline parallel (whole layers per GPU); llama.cpp
+  partial offload on one GPU, gpu_layers = floor((GPU budget - overhead) / ((W + KV) / layers)),
+  the other layers in RAM; CPU-only in RAM. On Apple Silicon: unified memory (the GPU working
+  set), then partial offload (the rest of the same RAM), then CPU. When none fits, the attempt
+  with the largest (least negative) headroom is returned.
+- **headroom** = sum of the budgets of the devices used - (W + KV + overhead); negative when it
+  does not fit.
+- **decode ceiling** (per sequence) = 1 / t, where one decode step reads B = A + concurrency x KV
+  per token x context bytes, device i holds share f_i of them and t = f_i x B / bw_i on one device,
+  max_i(f_i x B / bw_i) under tensor parallelism over NVLink (bandwidths add), and
+  sum_i(f_i x B / bw_i) under pipeline parallelism and partial offload (devices take turns, so
+  the slower memory dominates). Aggregate = concurrency / t. Engines reach roughly 60-85 % of
+  this ceiling (model bandwidth utilization); unknown bandwidth gives ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from unillm._hardware import GPU, Hardware
+    from unillm._inspect import ModelInfo
+
+__all__ = ["Placement", "Plan", "Workload", "plan"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+GB = 10**9
+
+RESERVE_FRACTION = 0.05
+"""Share of every device's capacity the planner keeps free (fragmentation, other processes)."""
+FIXED_OVERHEAD_BYTES = 512 * MiB
+"""Per device: CUDA context (300-500 MiB), cuBLAS/Metal workspaces, allocator slack."""
+ACTIVATION_BYTES = 2
+"""Bytes per element of activations/compute buffers, counted as context x hidden_size per device."""
+APPLE_DEFAULT_WORKING_SET = 0.75
+"""Metal's recommended working set as a share of unified memory when the profile does not say."""
+
+KV_BYTES_PER_ELEMENT: dict[str, float] = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "fp8": 1.0,
+    "q8": 34 / 32,  # q8_0: 32 int8 values + one f16 scale per block
+    "q4": 18 / 32,  # q4_0: 32 4-bit values + one f16 scale per block
+}
+
+BITS_PER_WEIGHT: dict[str, float] = {
+    # GGUF, whole-file averages (the _M/_L mixes keep some tensors in a larger type)
+    "f32": 32.0,
+    "f16": 16.0,
+    "bf16": 16.0,
+    "q8_0": 8.5,
+    "q6_k": 6.5625,
+    "q5_k_m": 5.7,
+    "q5_k_s": 5.5,
+    "q5_1": 6.0,
+    "q5_0": 5.5,
+    "q4_k_m": 4.8,
+    "q4_k_s": 4.6,
+    "q4_1": 5.0,
+    "q4_0": 4.5,
+    "iq4_nl": 4.5,
+    "iq4_xs": 4.25,
+    "q3_k_l": 4.3,
+    "q3_k_m": 3.9,
+    "q3_k_s": 3.5,
+    "q2_k": 2.96,
+    # Hugging Face quantization methods and dtypes
+    "awq": 4.25,  # 4-bit, group 128: 16-bit scale + 4-bit zero per group
+    "gptq": 4.25,
+    "fp8": 8.0,
+    "mxfp4": 4.25,  # 4-bit values + an 8-bit scale per 32
+    "fp16": 16.0,
+    "float16": 16.0,
+    "bfloat16": 16.0,
+    "fp32": 32.0,
+    "float32": 32.0,
+}
+_MLX_BITS = re.compile(r"mlx-(\d+)bit")  # MLX group 64: a 16-bit scale and bias per 64 weights
+
+Strategy = Literal["single_gpu", "multi_gpu", "partial_offload", "unified", "cpu"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the model is asked to do."""
+
+    context_length: int = 4096
+    concurrency: int = 1
+    goal: Literal["latency", "throughput", "cost", "portability"] = "latency"
+    kv_cache_dtype: Literal["f16", "bf16", "f32", "q8", "q4", "fp8"] = "f16"
+    shared_prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the weights and KV cache go on one device ("gpu:0", "cpu", "unified").
+
+    ``overhead_bytes`` is that device's runtime overhead, ``capacity_bytes`` its budget (capacity
+    less the reserve); ``layers`` is how many whole layers it holds (None under tensor parallelism,
+    where every GPU holds a slice of every layer).
+    """
+
+    device: str
+    weights_bytes: int
+    kv_bytes: int
+    layers: int | None = None
+    capacity_bytes: int | None = None
+    overhead_bytes: int = 0
+    bandwidth_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer. Every byte figure is an estimate from headers, explained in ``notes``.
+
+    ``total_bytes`` = weights + KV + overhead; ``headroom_bytes`` is what the devices used have
+    left beyond the reserve (negative: short by that much). ``decode_tokens_per_s_ceiling`` is per
+    sequence; ``aggregate_decode_tokens_per_s_ceiling`` is for all ``concurrency`` sequences.
+    """
+
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    fits: bool
+    headroom_bytes: int
+    placements: tuple[Placement, ...] = ()
+    gpu_layers: int | None = None  # llama.cpp partial offload: layers on the GPU
+    decode_tokens_per_s_ceiling: float | None = None
+    bandwidth_gbps: float | None = None
+    notes: tuple[str, ...] = field(default=())
+    strategy: Strategy | None = None
+    parallelism: Literal["tensor", "pipeline"] | None = None
+    active_weights_bytes: int | None = None
+    aggregate_decode_tokens_per_s_ceiling: float | None = None
+
+
+@dataclass(frozen=True)
+class _Device:
+    name: str
+    budget: int
+    bandwidth_gbps: float | None
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    strategy: Strategy
+    placements: tuple[Placement, ...]
+    fits: bool
+    headroom: int
+    gpu_layers: int | None = None
+    parallelism: Literal["tensor", "pipeline"] | None = None
+    notes: tuple[str, ...] = ()
+
+
+def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None) -> Plan:
+    """Plan ``model`` on ``hardware`` for ``workload`` (default: 4096 tokens, one sequence).
+
+    :param model: what the model is (a ``ModelInfo`` from ``inspect_model`` or a literal).
+    :param hardware: the machine (a ``Hardware`` from ``detect_hardware``, a profile or a literal).
+    :param workload: context length, concurrency and KV cache dtype.
+    :returns: the memory needed, where it goes, whether it fits and the decode speed ceiling;
+        the formulas are in this module's docstring and docs/planner.md.
+    """
+    wl = workload or Workload()
+    context = max(1, wl.context_length)
+    concurrency = max(1, wl.concurrency)
+    notes: list[str] = []
+
+    weights = _weights_bytes(model, notes)
+    active = _active_weights_bytes(model, weights, notes)
+    kv_per_token = _kv_bytes_per_token(model, wl.kv_cache_dtype, notes)
+    kv_total = kv_per_token * context * concurrency
+    if concurrency > 1:
+        notes.append(
+            f"KV cache sized for {concurrency} sequences of {context} tokens each: an upper bound"
+            + (", shared prefixes share KV blocks" if wl.shared_prefix else "")
+        )
+    if model.context_length is not None and context > model.context_length:
+        notes.append(f"context {context} is longer than the model's trained {model.context_length} tokens")
+    if model.hybrid_attention:
+        notes.append("hybrid attention: KV counted as if every layer were full attention (an upper bound)")
+    per_device_overhead = FIXED_OVERHEAD_BYTES + _activation_bytes(model, context, notes)
+
+    attempts = _attempts(model, hardware, weights, kv_total, per_device_overhead, notes)
+    chosen = next((a for a in attempts if a.fits), None)
+    if chosen is None:
+        chosen = max(attempts, key=lambda a: a.headroom)
+    notes.extend(chosen.notes)
+    if weights == 0:
+        chosen = replace(chosen, fits=False)
+        notes.append("weights size unknown: the plan cannot say whether the model fits")
+
+    overhead = sum(p.overhead_bytes for p in chosen.placements)
+    total = weights + kv_total + overhead
+    read_per_step = active + kv_per_token * context * concurrency
+    step_s = _step_seconds(chosen, read_per_step, weights + kv_total, notes) if weights else None
+    per_seq = aggregate = bandwidth = None
+    if step_s:
+        per_seq = 1 / step_s
+        aggregate = concurrency / step_s
+        bandwidth = read_per_step / step_s / GB
+        notes.append(
+            f"decode ceiling: {bandwidth:.0f} GB/s / {read_per_step / GB:.2f} GB read per step "
+            f"= {per_seq:.1f} tok/s per sequence; engines reach ~60-85% of it"
+        )
+    return Plan(
+        weights_bytes=weights,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes=kv_total,
+        overhead_bytes=overhead,
+        total_bytes=total,
+        fits=chosen.fits,
+        headroom_bytes=chosen.headroom,
+        placements=chosen.placements,
+        gpu_layers=chosen.gpu_layers,
+        decode_tokens_per_s_ceiling=per_seq,
+        bandwidth_gbps=bandwidth,
+        notes=tuple(notes),
+        strategy=chosen.strategy,
+        parallelism=chosen.parallelism,
+        active_weights_bytes=active,
+        aggregate_decode_tokens_per_s_ceiling=aggregate,
+    )
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+def bits_per_weight(quantization: str | None) -> float | None:
+    """Average bits per weight (scales included) of a quantization name, or None if unknown."""
+    if not quantization:
+        return None
+    name = quantization.strip().lower()
+    if name in BITS_PER_WEIGHT:
+        return BITS_PER_WEIGHT[name]
+    mlx = _MLX_BITS.fullmatch(name)
+    if mlx:
+        return int(mlx.group(1)) + 0.5
+    return None
+
+
+def _weights_bytes(model: ModelInfo, notes: list[str]) -> int:
+    if model.weights_bytes:
+        notes.append("weights = the size the model's files declare")
+        return model.weights_bytes
+    if not model.parameters:
+        notes.append("neither the weights size nor the parameter count is known")
+        return 0
+    if model.bits_per_weight:
+        notes.append(
+            f"weights = {model.parameters:,} parameters x {model.bits_per_weight} bits / 8 (from the model)"
+        )
+        return round(model.parameters * model.bits_per_weight / 8)
+    bpw = bits_per_weight(model.quantization)
+    if bpw is None and model.quantization is None and model.format in ("safetensors", "hf"):
+        bpw = 16.0
+        notes.append("no quantization named: assumed 16-bit (bf16/f16) weights")
+    if bpw is None:
+        notes.append(f"bits per weight of {model.quantization!r} unknown: weights size unknown")
+        return 0
+    notes.append(
+        f"weights = {model.parameters:,} parameters x ~{bpw} bits / 8, the usual average for "
+        f"{model.quantization or 'bf16'} (scales included; embeddings kept wider can add more)"
+    )
+    return round(model.parameters * bpw / 8)
+
+
+def _active_weights_bytes(model: ModelInfo, weights: int, notes: list[str]) -> int:
+    if not model.is_moe:
+        return weights
+    if model.active_parameters and model.parameters:
+        notes.append(
+            f"MoE: a token reads {model.active_parameters / model.parameters:.1%} of the weights "
+            "(active / total parameters), all of which must still be resident"
+        )
+        return round(weights * model.active_parameters / model.parameters)
+    notes.append("MoE without an active-parameter count: decode ceiling assumes every weight is read")
+    return weights
+
+
+def _kv_bytes_per_token(model: ModelInfo, dtype: str, notes: list[str]) -> int:
+    per_element = KV_BYTES_PER_ELEMENT.get(dtype)
+    if per_element is None:
+        notes.append(f"unknown KV cache dtype {dtype!r}: assumed 2 bytes per element")
+        per_element = 2.0
+    head_dim = model.head_dim
+    if head_dim is None and model.hidden_size and model.heads:
+        head_dim = model.hidden_size // model.heads
+        notes.append(f"head_dim assumed hidden_size / heads = {head_dim}")
+    kv_heads = model.kv_heads
+    if kv_heads is None and model.heads:
+        kv_heads = model.heads
+        notes.append("kv_heads unknown: assumed equal to heads (no grouped-query attention)")
+    if model.layers is None or kv_heads is None or head_dim is None:
+        notes.append("layers, KV heads or head_dim unknown: the KV cache is not counted")
+        return 0
+    return round(2 * model.layers * kv_heads * head_dim * per_element)
+
+
+def _activation_bytes(model: ModelInfo, context: int, notes: list[str]) -> int:
+    hidden = model.hidden_size
+    if hidden is None and model.heads and model.head_dim:
+        hidden = model.heads * model.head_dim
+    if hidden is None:
+        notes.append("hidden_size unknown: overhead counts only the fixed 512 MiB per device")
+        return 0
+    return ACTIVATION_BYTES * context * hidden
+
+
+# ---- placements ----------------------------------------------------------------------------------
+
+
+def _budget(capacity: int) -> int:
+    return int(capacity * (1 - RESERVE_FRACTION))
+
+
+def _ram_capacity(hardware: Hardware) -> int:
+    return (
+        hardware.ram_available_bytes if hardware.ram_available_bytes is not None else hardware.ram_total_bytes
+    )
+
+
+def _gpu_capacity(gpu: GPU) -> int:
+    return gpu.memory_free_bytes if gpu.memory_free_bytes is not None else gpu.memory_total_bytes
+
+
+def _attempts(
+    model: ModelInfo, hardware: Hardware, weights: int, kv: int, overhead: int, notes: list[str]
+) -> list[_Attempt]:
+    ram = _Device("cpu", _budget(_ram_capacity(hardware)), hardware.ram_bandwidth_gbps)
+    attempts: list[_Attempt] = []
+    if hardware.apple_silicon:
+        usable = hardware.gpu_usable_memory_bytes
+        if usable is None:
+            usable = int(hardware.ram_total_bytes * APPLE_DEFAULT_WORKING_SET)
+            notes.append(
+                f"Apple GPU working set unknown: assumed {APPLE_DEFAULT_WORKING_SET:.0%} of unified memory"
+            )
+        if hardware.ram_available_bytes is not None and hardware.ram_available_bytes < usable:
+            usable = hardware.ram_available_bytes
+            notes.append("less unified memory is free than the GPU working set: planned against what is free")
+        bandwidths = [g.bandwidth_gbps for g in hardware.gpus if g.bandwidth_gbps]
+        unified = _Device(
+            "unified", _budget(usable), bandwidths[0] if bandwidths else hardware.ram_bandwidth_gbps
+        )
+        attempts.append(_on_one(unified, "unified", weights, kv, overhead))
+        partial = _partial(model, unified, ram, weights, kv, overhead, shared=True)
+        if partial is not None:
+            attempts.append(partial)
+    else:
+        gpus = sorted(
+            (
+                _Device(f"gpu:{g.index}", _budget(_gpu_capacity(g)), g.bandwidth_gbps, g.index)
+                for g in hardware.gpus
+                if g.vendor != "apple"
+            ),
+            key=lambda d: -d.budget,
+        )
+        if gpus:
+            attempts.append(_on_one(gpus[0], "single_gpu", weights, kv, overhead))
+            linked = _nvlinked(hardware, [g.index for g in gpus])
+            for k in range(2, len(gpus) + 1):
+                split = _split(model, gpus[:k], linked[k], weights, kv, overhead)
+                if split is not None:
+                    attempts.append(split)
+                    if split.fits:
+                        break
+            partial = _partial(model, gpus[0], ram, weights, kv, overhead, shared=False)
+            if partial is not None:
+                if len(gpus) > 1:
+                    one = "partial offload uses one GPU: llama.cpp is not run across several"
+                    partial = replace(partial, notes=(*partial.notes, one))
+                attempts.append(partial)
+    attempts.append(_on_one(ram, "cpu", weights, kv, overhead))
+    if hardware.ram_available_bytes is None:
+        ram_note = (
+            "system RAM unknown: no RAM budget"
+            if hardware.ram_total_bytes == 0
+            else "RAM available unknown: planned against total RAM"
+        )
+        attempts = [
+            replace(a, notes=(*a.notes, ram_note)) if a.strategy in ("cpu", "partial_offload") else a
+            for a in attempts
+        ]
+    return attempts
+
+
+def _on_one(device: _Device, strategy: Strategy, weights: int, kv: int, overhead: int) -> _Attempt:
+    headroom = device.budget - (weights + kv + overhead)
+    placement = Placement(
+        device=device.name,
+        weights_bytes=weights,
+        kv_bytes=kv,
+        capacity_bytes=device.budget,
+        overhead_bytes=overhead,
+        bandwidth_gbps=device.bandwidth_gbps,
+    )
+    return _Attempt(strategy, (placement,), headroom >= 0, headroom)
+
+
+def _nvlinked(hardware: Hardware, indices: list[int]) -> dict[int, bool]:
+    """For each k, whether the first k GPUs of ``indices`` are all joined pairwise by NVLink."""
+    pairs = {(min(a, b), max(a, b)) for a, b in hardware.nvlink}
+    out: dict[int, bool] = {}
+    for k in range(2, len(indices) + 1):
+        chosen = indices[:k]
+        out[k] = all((min(a, b), max(a, b)) in pairs for i, a in enumerate(chosen) for b in chosen[i + 1 :])
+    return out
+
+
+def _split(
+    model: ModelInfo, gpus: list[_Device], nvlink: bool, weights: int, kv: int, overhead: int
+) -> _Attempt | None:
+    k = len(gpus)
+    if nvlink and not _tensor_parallel_ok(model, k):
+        return None
+    room = [max(0, g.budget - overhead) for g in gpus]
+    total_room = sum(room)
+    if total_room == 0:
+        return None
+    shares = [r / total_room for r in room]
+    layers = _distribute(model.layers, shares) if not nvlink and model.layers else [None] * k
+    w_parts = _apportion(weights, shares)
+    kv_parts = _apportion(kv, shares)
+    placements = tuple(
+        Placement(
+            device=g.name,
+            weights_bytes=w,
+            kv_bytes=c,
+            layers=n,
+            capacity_bytes=g.budget,
+            overhead_bytes=overhead,
+            bandwidth_gbps=g.bandwidth_gbps,
+        )
+        for g, w, c, n in zip(gpus, w_parts, kv_parts, layers, strict=True)
+    )
+    headroom = sum(g.budget for g in gpus) - (weights + kv + k * overhead)
+    if nvlink:
+        note = f"split over {k} GPUs joined by NVLink: tensor parallelism, bandwidths add"
+    else:
+        note = (
+            f"split over {k} GPUs without NVLink: pipeline parallelism (layers split), since tensor "
+            "parallelism's all-reduce over PCIe limits it; one sequence runs at one GPU's bandwidth"
+        )
+    parallelism: Literal["tensor", "pipeline"] = "tensor" if nvlink else "pipeline"
+    return _Attempt("multi_gpu", placements, headroom >= 0, headroom, parallelism=parallelism, notes=(note,))
+
+
+def _tensor_parallel_ok(model: ModelInfo, k: int) -> bool:
+    """Tensor parallelism shards attention heads evenly; KV heads are split, or replicated when
+    there are fewer of them than GPUs (vLLM's rule)."""
+    if model.heads and model.heads % k:
+        return False
+    return not (model.kv_heads and model.kv_heads % k and k % model.kv_heads)
+
+
+def _apportion(total: int, shares: list[float]) -> list[int]:
+    """``total`` bytes in proportion to ``shares``, the last part taking the rounding remainder."""
+    parts = [round(total * s) for s in shares[:-1]]
+    return [*parts, total - sum(parts)]
+
+
+def _distribute(total: int, shares: list[float]) -> list[int | None]:
+    """Whole layers in proportion to ``shares`` (largest remainder)."""
+    raw = [total * s for s in shares]
+    counts = [math.floor(r) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: counts[i] - raw[i])
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return list(counts)
+
+
+def _partial(
+    model: ModelInfo, gpu: _Device, ram: _Device, weights: int, kv: int, overhead: int, *, shared: bool
+) -> _Attempt | None:
+    """llama.cpp partial offload: whole layers (their weights and KV) on the GPU, the rest in RAM.
+
+    ``shared``: the GPU's memory is part of RAM (Apple unified memory), so RAM's budget shrinks by
+    what the GPU holds.
+    """
+    layers = model.layers
+    if not layers or weights == 0:
+        return None
+    per_layer = (weights + kv) / layers
+    n = math.floor(max(0, gpu.budget - overhead) / per_layer) if per_layer else layers
+    n = min(n, layers - 1)  # all layers on the GPU is the single-device attempt
+    if n <= 0:
+        return None
+    gpu_w, gpu_kv = round(weights * n / layers), round(kv * n / layers)
+    ram_w, ram_kv = weights - gpu_w, kv - gpu_kv
+    ram_budget = ram.budget - (gpu_w + gpu_kv + overhead if shared else 0)
+    headroom = (gpu.budget - (gpu_w + gpu_kv + overhead)) + (ram_budget - (ram_w + ram_kv + overhead))
+    placements = (
+        Placement(gpu.name, gpu_w, gpu_kv, n, gpu.budget, overhead, gpu.bandwidth_gbps),
+        Placement(ram.name, ram_w, ram_kv, layers - n, ram_budget, overhead, ram.bandwidth_gbps),
+    )
+    note = (
+        f"partial offload: {n} of {layers} layers (weights and their KV) on {gpu.name}, "
+        f"{layers - n} in system RAM; layers counted as equal shares of weights + KV"
+    )
+    fits = ram_budget - (ram_w + ram_kv + overhead) >= 0
+    return _Attempt("partial_offload", placements, fits, headroom, gpu_layers=n, notes=(note,))
+
+
+# ---- speed ---------------------------------------------------------------------------------------
+
+
+def _step_seconds(chosen: _Attempt, read_per_step: int, resident: int, notes: list[str]) -> float | None:
+    """Seconds one decode step needs to read ``read_per_step`` bytes, spread over the placements
+    in proportion to what each holds of the ``resident`` weights + KV."""
+    times: list[float] = []
+    for p in chosen.placements:
+        share = (p.weights_bytes + p.kv_bytes) / resident if resident else 1.0
+        if share == 0:
+            continue
+        if not p.bandwidth_gbps:
+            notes.append(f"bandwidth of {p.device} unknown: no decode ceiling")
+            return None
+        times.append(share * read_per_step / (p.bandwidth_gbps * GB))
+    if not times:
+        return None
+    if chosen.strategy == "partial_offload":
+        notes.append("partial offload: decode is dominated by the slower memory (system RAM)")
+    return max(times) if chosen.parallelism == "tensor" else sum(times)
