@@ -7,6 +7,7 @@ one that reads the format wins; built-ins register first). Whatever chose it, th
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Mapping
@@ -23,7 +24,9 @@ from unillm._errors import (
     NoSuitableBackend,
     OutOfMemory,
 )
-from unillm._inspect import detect_format
+from unillm._hardware import Hardware, detect_hardware
+from unillm._inspect import ModelInfo, inspect_model
+from unillm._plan import Plan, Workload, plan
 from unillm._plugins import Registry, default_registry, normalize_name
 from unillm._select import Candidate, Selection, select
 
@@ -72,6 +75,7 @@ def load_engine(
 def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     backends = registry.backends()
     available = {name: info.availability() for name, info in backends.items()}
+    hardware = _machine()
     if cfg.backend:
         env_backend = os.environ.get("UNILLM_BACKEND", "")
         by: Literal["config", "environment", "auto"] = (
@@ -81,27 +85,39 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         avail = available.get(cls.name) or cls.available()
         if not avail.available:
             raise BackendUnavailable(cls.name, avail.reason, avail.install_hint)
-        # A forced backend may read what unillm cannot detect (a plugin's own format, a model
+        # A forced backend may read what unillm cannot inspect (a plugin's own format, a model
         # name on a server): the backend itself reports a missing or unreadable model.
         try:
-            fmt = detect_format(cfg.model)
+            model: Any = inspect_model(cfg.model)
         except (ModelFormatError, ModelNotFound):
-            fmt = "unknown"
-        order = [cls]
+            model = _ModelRef(cfg.model, "unknown")
+        workload = _workload(cfg, model)
         selection = select(
-            None, _ModelRef(cfg.model, fmt), None, backends, available=available, requested=cls.name
+            hardware,
+            model,
+            workload,
+            backends,
+            available=available,
+            plan=_plan(model, hardware, workload),
+            requested=cls.name,
         )
         selection.chosen_by = by
-        if fmt != "unknown" and fmt not in cls.formats:
-            note = f"{cls.name} was asked for, but it does not list {fmt} among its formats"
+        order = [cls]
+        if model.format != "unknown" and model.format not in cls.formats:
+            note = f"{cls.name} was asked for, but it does not list {model.format} among its formats"
             warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
             selection.steps.append(note)
     else:
-        fmt = detect_format(cfg.model)
-        selection = select(None, _ModelRef(cfg.model, fmt), None, backends, available=available)
+        model = inspect_model(cfg.model)
+        workload = _workload(cfg, model)
+        selection = select(
+            hardware, model, workload, backends, available=available, plan=_plan(model, hardware, workload)
+        )
         order = [registry.get(c.name) for c in selection.candidates if c.eligible]
         if not order:
             rejected = [(c.name, "; ".join(c.blockers)) for c in selection.candidates]
+            if selection.recommendation:
+                rejected.append(("recommended", selection.recommendation))
             raise NoSuitableBackend(cfg.model, rejected)
     last_error: Exception | None = None
     for cls in order:
@@ -117,6 +133,30 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
             last_error = exc
     assert last_error is not None
     raise last_error
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> Hardware | None:
+    """This machine, probed once per process (a few short subprocesses at most)."""
+    try:
+        return detect_hardware()
+    except Exception:  # detection must never stop a load
+        return None
+
+
+def _workload(cfg: EngineConfig, model: Any) -> Workload:
+    trained = getattr(model, "context_length", None)
+    ctx = cfg.context_length or (min(trained, 4096) if isinstance(trained, int) and trained > 0 else 4096)
+    return Workload(context_length=ctx)
+
+
+def _plan(model: Any, hardware: Hardware | None, workload: Workload) -> Plan | None:
+    if hardware is None or not isinstance(model, ModelInfo):
+        return None
+    try:
+        return plan(model, hardware, workload)
+    except Exception:  # a plan is advice: its failure must not stop a load
+        return None
 
 
 @dataclass(frozen=True)
