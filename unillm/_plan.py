@@ -19,7 +19,8 @@ Formulas:
 - **KV total** = KV per token x context x concurrency (an upper bound: paged attention allocates
   what is used, and shared prefixes share blocks).
 - **overhead per device** = ``FIXED_OVERHEAD_BYTES`` (512 MiB: CUDA context, cuBLAS/Metal
-  workspaces, allocator slack) + ``ACTIVATION_BYTES`` (2) x context x hidden_size (f16 activations
+  workspaces, allocator slack; ``CPU_FIXED_OVERHEAD_BYTES``, 32 MiB, on a CPU-only machine, as
+  measured here) + ``ACTIVATION_BYTES`` (2) x context x hidden_size (f16 activations
   and compute buffers of one context-long prefill; replicated on every device that computes).
 - **budget per device** = capacity x (1 - ``RESERVE_FRACTION``) where ``RESERVE_FRACTION`` = 0.05
   is kept free. Capacity: a GPU's free memory (else its total); Apple's GPU working set
@@ -63,6 +64,9 @@ GB = 10**9
 RESERVE_FRACTION = 0.05
 """Share of every device's capacity the planner keeps free (fragmentation, other processes)."""
 FIXED_OVERHEAD_BYTES = 512 * MiB
+#: CPU-only machines: no CUDA context; llama.cpp and mlx took ~24 MiB beyond weights and KV here
+#: (benchmarks/plan_vs_actual.py)
+CPU_FIXED_OVERHEAD_BYTES = 32 * MiB
 """Per device: CUDA context (300-500 MiB), cuBLAS/Metal workspaces, allocator slack."""
 ACTIVATION_BYTES = 2
 """Bytes per element of activations/compute buffers, counted as context x hidden_size per device."""
@@ -217,7 +221,8 @@ def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None)
         notes.append(f"context {context} is longer than the model's trained {model.context_length} tokens")
     if model.hybrid_attention:
         notes.append("hybrid attention: KV counted as if every layer were full attention (an upper bound)")
-    per_device_overhead = FIXED_OVERHEAD_BYTES + _activation_bytes(model, context, notes)
+    fixed = FIXED_OVERHEAD_BYTES if hardware.gpus or hardware.apple_silicon else CPU_FIXED_OVERHEAD_BYTES
+    per_device_overhead = fixed + _activation_bytes(model, context, notes)
 
     attempts = _attempts(model, hardware, weights, kv_total, per_device_overhead, notes)
     chosen = next((a for a in attempts if a.fits), None)
