@@ -4,9 +4,9 @@ Two GGUFs with the same header layout: the ~50 MB tiny bench model, and a sparse
 tensor infos claim ~800x larger tensors (~40 GB of weights) while the data is a hole in the file.
 Each contender is timed in interleaved rounds (A, B, A, B, ... with the first rotating), every
 sample the mean of ``--calls`` calls; medians of ``--runs`` (>= 9) rounds. Contenders:
-``inspect_model`` and ``detect_format`` on each file.
+``inspect_model``, ``detect_format`` and inspect + plan + select on each file.
 
-Goal (issue 7): t(40 GB) / t(40 MB) <= 1.2 for inspect_model.
+Goal (issue 7): t(40 GB) / t(40 MB) <= 1.2 for inspect_model, and for inspect + plan + select.
 
     python benchmarks/inspect_scaling.py [--runs 15] [--calls 20] [--json results.json]
 """
@@ -79,8 +79,20 @@ def main() -> None:
     if args.runs < 9:
         ap.error("--runs must be at least 9")
 
+    from unillm import Workload, backends, detect_hardware, plan, select
     from unillm._inspect import detect_format, inspect_model
     from unillm.testing import tiny_model
+
+    # What auto_engine does before loading, less the I/O done once per process (hardware
+    # detection, the backends' availability): inspect, plan, select.
+    hw = detect_hardware()
+    registered = backends()
+    available = {n: b.availability() for n, b in registered.items()}
+    workload = Workload()
+
+    def inspect_and_select(path: Path) -> object:
+        info = inspect_model(path)
+        return select(hw, info, workload, registered, available=available, plan=plan(info, hw, workload))
 
     small = tiny_model("bench").gguf_path
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,6 +105,8 @@ def main() -> None:
             "inspect_model 40 GB": lambda: inspect_model(big),
             "detect_format 40 MB": lambda: detect_format(small),
             "detect_format 40 GB": lambda: detect_format(big),
+            "inspect+select 40 MB": lambda: inspect_and_select(small),
+            "inspect+select 40 GB": lambda: inspect_and_select(big),
         }
         for fn in contenders.values():  # warm the page cache and the imports
             fn()
@@ -104,7 +118,10 @@ def main() -> None:
         on_disk = big.stat().st_blocks * 512
 
     ms = {k: statistics.median(v) * 1000 for k, v in samples.items()}
-    ratios = {what: ms[f"{what} 40 GB"] / ms[f"{what} 40 MB"] for what in ("inspect_model", "detect_format")}
+    ratios = {
+        what: ms[f"{what} 40 GB"] / ms[f"{what} 40 MB"]
+        for what in ("inspect_model", "detect_format", "inspect+select")
+    }
     mb, gb = info_small.weights_bytes / 1e6, info_big.weights_bytes / 1e9
     print(f"small: {small} ({small.stat().st_size / 1e6:.1f} MB file, {mb:.1f} MB weights)")
     print(f"big:   sparse copy claiming {gb:.1f} GB of weights ({on_disk / 1e6:.2f} MB on disk)")

@@ -66,3 +66,42 @@ def test_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for section in ("== selection ==", "chosen by auto", "== stream", "== chat", "usage:", "KVStats("):
         assert section in out.output
     assert (tmp_path / "tiny-small-v1" / "tiny-small-f32.gguf").is_file()  # built on first use
+
+
+def test_doctor_json() -> None:
+    import json
+
+    out = runner.invoke(app, ["doctor", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["hardware"]["cpu_cores"] >= 1 and data["hardware"]["ram_total_bytes"] > 0
+    assert "llama.cpp" in data["backends"]
+
+
+def test_inspect_plan_select(tiny: object) -> None:
+    import json
+
+    gguf = str(tiny.gguf_path)  # type: ignore[attr-defined]
+    out = runner.invoke(app, ["inspect", gguf])
+    assert out.exit_code == 0, out.output
+    assert "llama" in out.output and "F32" in out.output and "kv bytes/token" in out.output
+    info = json.loads(runner.invoke(app, ["inspect", gguf, "--json"]).output)
+    assert info["format"] == "gguf" and info["layers"] == 2
+    planned = runner.invoke(app, ["plan", gguf, "--context", "4096"])
+    assert planned.exit_code == 0, planned.output
+    assert "fits" in planned.output and "kv cache" in planned.output
+    chosen = runner.invoke(app, ["select", gguf])
+    assert chosen.exit_code == 0 and chosen.output.strip() == "llama.cpp"
+    explained = runner.invoke(app, ["select", gguf, "--explain", "--concurrency", "8"])
+    assert "the ten questions:" in explained.output and "8 concurrent" in explained.output
+
+
+def test_plan_and_select_for_a_machine_we_do_not_have(tiny: object) -> None:
+    profile = Path(__file__).parent / "profiles" / "h100-8x-nvlink.json"
+    hf = str(tiny.hf_dir)  # type: ignore[attr-defined]
+    out = runner.invoke(app, ["select", hf, "--hardware", str(profile), "--concurrency", "64", "--explain"])
+    assert out.exit_code == 0, out.output
+    assert "vllm" in out.output  # the guide's first choice, named with how to install it
+    assert "NVLink between all GPUs" in out.output
+    bad = runner.invoke(app, ["plan", hf, "--hardware", str(profile.with_name("absent.json"))])
+    assert bad.exit_code == 2 and "hardware profile not found" in bad.output

@@ -308,13 +308,27 @@ def test_generation_stops_at_a_full_context(tiny_gguf: Path) -> None:
         assert len(ids) + len(done.token_ids) == capacity
 
 
-def test_allocation_failure_is_out_of_memory(tiny_gguf: Path) -> None:
+def _more_than_ram_tokens() -> int:
     import os
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    n_ctx = 1 << max(26, (int(ram * 1.5) // 512).bit_length())  # 512 B/token: more than RAM
+    return 1 << max(26, (int(ram * 1.5) // 512).bit_length())  # 512 B/token: more than RAM
+
+
+def test_allocation_failure_is_out_of_memory(tiny_gguf: Path) -> None:
+    from unillm.engines.llamacpp import LlamaCppEngine
+
     with pytest.raises(OutOfMemory, match="smaller context"):
-        auto_engine(tiny_gguf, context_length=n_ctx)
+        LlamaCppEngine(model=str(tiny_gguf), context_length=_more_than_ram_tokens()).load()
+
+
+def test_auto_engine_walks_down_to_a_context_that_fits(tiny_gguf: Path) -> None:
+    huge = _more_than_ram_tokens()
+    with auto_engine(tiny_gguf, context_length=huge) as e:
+        assert e.kv_stats().capacity_tokens == 4096  # the model's trained context
+        assert e.selection is not None
+        assert "out of memory" in e.selection.steps[0] and "context_length=4096" in e.selection.steps[0]
+        assert e.generate(PROMPT, GREEDY).usage.completion_tokens == GREEDY.max_tokens
 
 
 def test_engine_not_installed(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:

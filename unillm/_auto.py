@@ -92,14 +92,9 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         except (ModelFormatError, ModelNotFound):
             model = _ModelRef(cfg.model, "unknown")
         workload = _workload(cfg, model)
+        the_plan = _plan(model, hardware, workload)
         selection = select(
-            hardware,
-            model,
-            workload,
-            backends,
-            available=available,
-            plan=_plan(model, hardware, workload),
-            requested=cls.name,
+            hardware, model, workload, backends, available=available, plan=the_plan, requested=cls.name
         )
         selection.chosen_by = by
         order = [cls]
@@ -110,9 +105,8 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     else:
         model = inspect_model(cfg.model)
         workload = _workload(cfg, model)
-        selection = select(
-            hardware, model, workload, backends, available=available, plan=_plan(model, hardware, workload)
-        )
+        the_plan = _plan(model, hardware, workload)
+        selection = select(hardware, model, workload, backends, available=available, plan=the_plan)
         order = [registry.get(c.name) for c in selection.candidates if c.eligible]
         if not order:
             rejected = [(c.name, "; ".join(c.blockers)) for c in selection.candidates]
@@ -121,18 +115,77 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
             raise NoSuitableBackend(cfg.model, rejected)
     last_error: Exception | None = None
     for cls in order:
-        engine = cls(cfg)
-        engine.selection = selection
         selection.backend = cls.name
         try:
-            return engine.load()
+            trained = getattr(model, "context_length", None)
+            return _load_walking_down(cls, cfg, workload, selection, trained)
         except (OutOfMemory, ModelLoadError, BackendUnavailable) as exc:
             if isinstance(exc, FileNotFoundError) or len(order) == 1:
                 raise
-            selection.steps.append(f"{cls.name} failed to load: {exc}")
+            selection.steps.append(f"{cls.name} failed to load: {_first_line(exc)}; trying the next backend")
             last_error = exc
     assert last_error is not None
     raise last_error
+
+
+_MIN_CONTEXT = 1024
+
+
+def _load_walking_down(
+    cls: type[Engine[Any]],
+    cfg: EngineConfig,
+    workload: Workload,
+    selection: Selection,
+    trained: int | None = None,
+) -> Engine[Any]:
+    """Load ``cls``; on ``OutOfMemory`` walk down (the model's trained context if more was asked,
+    then halving the context down to 1024, then a quantized KV cache where the backend has one),
+    recording each step in the selection. The caller then tries the next backend."""
+    current = cfg
+    context = cfg.context_length or workload.context_length
+    while True:
+        engine = cls(current)
+        engine.selection = selection
+        try:
+            return engine.load()
+        except OutOfMemory as exc:
+            why = _first_line(exc)
+            if context > _MIN_CONTEXT:
+                smaller = max(_MIN_CONTEXT, context // 2)
+                if isinstance(trained, int) and _MIN_CONTEXT <= trained < smaller:
+                    smaller = trained  # more context than the model was trained for is no use
+                selection.steps.append(
+                    f"{cls.name}: out of memory ({why}); retrying with context_length={smaller}"
+                )
+                context = smaller
+                current = current.model_copy(update={"context_length": smaller})
+                continue
+            kv = _quantized_kv_option(cls, current)
+            if kv is not None:
+                selection.steps.append(
+                    f"{cls.name}: out of memory ({why}); retrying with a quantized KV cache {kv}"
+                )
+                current = current.model_copy(update={"options": {**current.options, **kv}})
+                continue
+            raise
+
+
+def _quantized_kv_option(cls: type[Engine[Any]], cfg: EngineConfig) -> dict[str, Any] | None:
+    """The backend's quantized-KV option not yet tried, if it has one."""
+    fields = cls.Options.model_fields
+    opts = cfg.options_for(cls.name)
+    if "kv_cache_type" in fields and opts.get("kv_cache_type", "f16") == "f16":
+        return {"kv_cache_type": "q8_0"}
+    if "kv_bits" in fields and not opts.get("kv_bits"):
+        return {"kv_bits": 8}
+    if "cache_type" in fields and opts.get("cache_type", "fp16") == "fp16":
+        return {"cache_type": "q8"}
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,14 +56,29 @@ def backends_cmd() -> None:
 
 
 @app.command()
-def doctor() -> None:
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
     """Check this machine: Python, hardware, installed engines, plugin failures."""
     from unillm._hardware import detect_hardware
+    from unillm._plugins import default_registry
 
+    hw = detect_hardware()
+    if as_json:
+        reg = default_registry()
+        _dump(
+            {
+                "python": platform.python_version(),
+                "hardware": hw,
+                "backends": {n: i.availability() for n, i in reg.backends().items()},
+                "plugin_failures": reg.failures,
+            }
+        )
+        return
     console = _console()
     console.print(f"python   {platform.python_version()} ({sys.executable})")
     console.print(f"platform {platform.platform()}")
-    for line in detect_hardware().summary_lines():
+    for line in hw.summary_lines():
         console.print(line, highlight=False)
     backends_cmd()
 
