@@ -125,9 +125,9 @@ def test_a_forced_backend_decides_what_it_reads(registry: Registry, tmp_path: Pa
 
 
 def test_a_forced_backend_for_the_wrong_format_warns(registry: Registry, tiny: TinyModel) -> None:
-    with pytest.warns(UnillmWarning, match="does not list safetensors"):
+    with pytest.warns(UnillmWarning, match=r"selector sees a problem: does not read safetensors"):
         e = load_engine({"model": str(tiny.hf_dir), "backend": "alpha"}, registry=registry)
-    assert e.selection is not None and "does not list safetensors" in e.selection.explain()
+    assert e.selection is not None and "does not read safetensors" in e.selection.explain()
 
 
 def test_no_model_at_all() -> None:

@@ -98,8 +98,12 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         )
         selection.chosen_by = by
         order = [cls]
-        if model.format != "unknown" and model.format not in cls.formats:
-            note = f"{cls.name} was asked for, but it does not list {model.format} among its formats"
+        mine = next((c for c in selection.candidates if c.name == cls.name), None)
+        problems = list(mine.blockers) if mine else []
+        if model.format == "unknown":  # unillm cannot tell: the backend will
+            problems = [p for p in problems if "does not read" not in p]
+        if problems:
+            note = f"{cls.name} was asked for, but the selector sees a problem: {'; '.join(problems)}"
             warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
             selection.steps.append(note)
     else:
