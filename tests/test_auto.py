@@ -109,3 +109,46 @@ def test_then_the_next_backend(tiny_gguf: Path) -> None:
 def test_out_of_memory_everywhere_is_raised(tiny_gguf: Path) -> None:
     with pytest.raises(OutOfMemory, match="does not fit"):
         auto_engine(tiny_gguf, backend="never-fits", context_length=2048, registry=registry(NeverFits))
+
+
+class LayerOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n_gpu_layers: int | Literal["auto"] | None = None
+
+
+class Offloader(MockEngine):
+    """Offloads by layer; runs out of GPU memory with more than one layer on the GPU."""
+
+    name: ClassVar[str] = "offloader"
+    formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
+    Options: ClassVar[type[BaseModel]] = LayerOptions
+    tried: ClassVar[list[object]] = []
+
+    def _load(self) -> None:
+        layers = self.options.n_gpu_layers
+        Offloader.tried.append(layers)
+        if layers is None or (isinstance(layers, int) and layers > 1):
+            raise OutOfMemory("weights do not fit on the GPU")
+
+
+def test_fewer_gpu_layers_where_there_is_a_gpu(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from unillm import GPU, Hardware, _auto
+
+    gpu = Hardware(
+        "Linux", "x86_64", "cpu", 8, (), 64 * 10**9, gpus=(GPU(0, "nvidia", "RTX 4090", 24 * 10**9),)
+    )
+    monkeypatch.setattr(_auto, "_machine", lambda: gpu)
+    Offloader.tried.clear()
+    e = auto_engine(tiny_gguf, backend="offloader", context_length=1024, registry=registry(Offloader))
+    assert Offloader.tried == [None, 1]  # the tiny model has 2 layers: half of them
+    assert e.selection is not None and "retrying with n_gpu_layers=1" in e.selection.steps[0]
+
+
+def test_no_gpu_no_layer_step(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from unillm import Hardware, _auto
+
+    monkeypatch.setattr(_auto, "_machine", lambda: Hardware("Linux", "x86_64", "cpu", 8, (), 64 * 10**9))
+    Offloader.tried.clear()
+    with pytest.raises(OutOfMemory):
+        auto_engine(tiny_gguf, backend="offloader", context_length=1024, registry=registry(Offloader))
+    assert Offloader.tried == [None]

@@ -121,8 +121,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     for cls in order:
         selection.backend = cls.name
         try:
-            trained = getattr(model, "context_length", None)
-            return _load_walking_down(cls, cfg, workload, selection, trained)
+            return _load_walking_down(cls, cfg, workload, selection, model, hardware, the_plan)
         except (OutOfMemory, ModelLoadError, BackendUnavailable) as exc:
             if isinstance(exc, FileNotFoundError) or len(order) == 1:
                 raise
@@ -140,11 +139,15 @@ def _load_walking_down(
     cfg: EngineConfig,
     workload: Workload,
     selection: Selection,
-    trained: int | None = None,
+    model: Any = None,
+    hardware: Hardware | None = None,
+    plan: Plan | None = None,
 ) -> Engine[Any]:
-    """Load ``cls``; on ``OutOfMemory`` walk down (the model's trained context if more was asked,
-    then halving the context down to 1024, then a quantized KV cache where the backend has one),
-    recording each step in the selection. The caller then tries the next backend."""
+    """Load ``cls``; on ``OutOfMemory`` walk down: the model's trained context if more was asked,
+    then halving the context down to 1024, then fewer layers on the GPU (where the backend offloads
+    by layer and there is a GPU), then a quantized KV cache where the backend has one. Each step is
+    recorded in the selection; the caller then tries the next backend."""
+    trained = getattr(model, "context_length", None)
     current = cfg
     context = cfg.context_length or workload.context_length
     while True:
@@ -158,20 +161,34 @@ def _load_walking_down(
                 smaller = max(_MIN_CONTEXT, context // 2)
                 if isinstance(trained, int) and _MIN_CONTEXT <= trained < smaller:
                     smaller = trained  # more context than the model was trained for is no use
-                selection.steps.append(
-                    f"{cls.name}: out of memory ({why}); retrying with context_length={smaller}"
-                )
+                step = f"context_length={smaller}"
                 context = smaller
                 current = current.model_copy(update={"context_length": smaller})
-                continue
-            kv = _quantized_kv_option(cls, current)
-            if kv is not None:
-                selection.steps.append(
-                    f"{cls.name}: out of memory ({why}); retrying with a quantized KV cache {kv}"
-                )
+            elif (layers := _fewer_gpu_layers(cls, current, model, hardware, plan)) is not None:
+                step = f"n_gpu_layers={layers}"
+                current = current.model_copy(update={"options": {**current.options, "n_gpu_layers": layers}})
+            elif (kv := _quantized_kv_option(cls, current)) is not None:
+                step = f"a quantized KV cache {kv}"
                 current = current.model_copy(update={"options": {**current.options, **kv}})
-                continue
-            raise
+            else:
+                raise
+            selection.steps.append(f"{cls.name}: out of memory ({why}); retrying with {step}")
+
+
+def _fewer_gpu_layers(
+    cls: type[Engine[Any]], cfg: EngineConfig, model: Any, hardware: Hardware | None, plan: Plan | None
+) -> int | None:
+    """Half the layers on the GPU (first what the plan says fits), for backends that offload by
+    layer; None when there is no GPU or nothing left to take off it."""
+    if "n_gpu_layers" not in cls.Options.model_fields or hardware is None or not hardware.gpus:
+        return None
+    now = cfg.options_for(cls.name).get("n_gpu_layers")
+    total = getattr(model, "layers", None)
+    if now in (None, -1, "auto"):
+        if plan is not None and plan.gpu_layers is not None and (total is None or plan.gpu_layers < total):
+            return plan.gpu_layers
+        return total // 2 if isinstance(total, int) and total > 1 else None
+    return now // 2 if isinstance(now, int) and now > 1 else None
 
 
 def _quantized_kv_option(cls: type[Engine[Any]], cfg: EngineConfig) -> dict[str, Any] | None:
