@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from unillm._errors import ConfigError
 
 __all__ = [
+    "STANDARD_SAMPLING",
     "Availability",
     "Capabilities",
     "ChatMessage",
@@ -236,6 +237,16 @@ class KVStats:
         if not self.capacity_tokens or self.used_tokens is None:
             return None
         return self.used_tokens / self.capacity_tokens
+
+
+#: Every sampling parameter but ``response_format``: what a full-featured local engine honours.
+STANDARD_SAMPLING = frozenset(
+    {
+        "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+        "logprobs", "logit_bias",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

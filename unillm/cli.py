@@ -15,6 +15,14 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+# Arguments the inspect / plan / select commands share.
+ModelArg = Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")]
+ContextOpt = Annotated[int | None, typer.Option(help="Context length per sequence.")]
+ConcurrencyOpt = Annotated[int, typer.Option(help="Sequences at once.")]
+GoalOpt = Annotated[str, typer.Option(help="latency, throughput, cost or portability.")]
+HardwareOpt = Annotated[Path | None, typer.Option(help="A hardware profile (JSON); default: this machine.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
 testing_app = typer.Typer(help="Test fixtures: build the tiny models.", no_args_is_help=True)
 app.add_typer(testing_app, name="testing")
 
@@ -57,7 +65,7 @@ def backends_cmd() -> None:
 
 @app.command()
 def doctor(
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check this machine: Python, hardware, installed engines, plugin failures."""
     from unillm._hardware import detect_hardware
@@ -111,8 +119,8 @@ def _dump(value: Any) -> None:
 
 @app.command("inspect")
 def inspect_cmd(
-    model: Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    model: ModelArg,
+    as_json: JsonOpt = False,
 ) -> None:
     """Read a model's format, quantization, size and shape from its headers (never its weights)."""
     from unillm import UnillmError
@@ -141,14 +149,12 @@ def _fields(obj: Any) -> list[tuple[str, Any]]:
 
 @app.command("plan")
 def plan_cmd(
-    model: Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")],
-    context: Annotated[int | None, typer.Option(help="Context length per sequence.")] = None,
-    concurrency: Annotated[int, typer.Option(help="Sequences at once.")] = 1,
-    goal: Annotated[str, typer.Option(help="latency, throughput, cost or portability.")] = "latency",
-    hardware: Annotated[
-        Path | None, typer.Option(help="A hardware profile (JSON); default: this machine.")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    model: ModelArg,
+    context: ContextOpt = None,
+    concurrency: ConcurrencyOpt = 1,
+    goal: GoalOpt = "latency",
+    hardware: HardwareOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Will MODEL fit, where, and how fast can decode be? (memory and bandwidth math)"""
     from unillm import UnillmError
@@ -182,15 +188,13 @@ def plan_cmd(
 
 @app.command("select")
 def select_cmd(
-    model: Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")],
-    context: Annotated[int | None, typer.Option(help="Context length per sequence.")] = None,
-    concurrency: Annotated[int, typer.Option(help="Sequences at once.")] = 1,
-    goal: Annotated[str, typer.Option(help="latency, throughput, cost or portability.")] = "latency",
-    hardware: Annotated[
-        Path | None, typer.Option(help="A hardware profile (JSON); default: this machine.")
-    ] = None,
+    model: ModelArg,
+    context: ContextOpt = None,
+    concurrency: ConcurrencyOpt = 1,
+    goal: GoalOpt = "latency",
+    hardware: HardwareOpt = None,
     explain: Annotated[bool, typer.Option(help="Print every candidate and the ten questions.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Which backend should run MODEL here, and why."""
     from unillm import UnillmError

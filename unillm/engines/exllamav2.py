@@ -39,7 +39,7 @@ from unillm._errors import (
     UnillmError,
 )
 from unillm._inspect import detect_format
-from unillm._types import Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
 from unillm.engines._exllamav2_jobs import JobRunner
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
@@ -135,22 +135,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
     name: ClassVar[str] = "exllamav2"
     formats: ClassVar[frozenset[str]] = frozenset({"exl2", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=frozenset(
-            {
-                "max_tokens",
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "repetition_penalty",
-                "presence_penalty",
-                "frequency_penalty",
-                "seed",
-                "stop",
-                "stop_token_ids",
-                "ignore_eos",
-            }
-        ),
+        sampling=STANDARD_SAMPLING - {"logprobs", "logit_bias"},
         batching=False,  # True on an engine in paged mode (the dynamic generator batches jobs)
         devices=frozenset({"cuda", "rocm"}),
     )

@@ -31,7 +31,7 @@ from unillm._errors import (
     OutOfMemory,
 )
 from unillm._inspect import GGUFHeader, read_gguf_header
-from unillm._types import Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -93,24 +93,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     name: ClassVar[str] = "llama.cpp"
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=frozenset(
-            {
-                "max_tokens",
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "repetition_penalty",
-                "presence_penalty",
-                "frequency_penalty",
-                "seed",
-                "stop",
-                "stop_token_ids",
-                "ignore_eos",
-                "logprobs",
-                "logit_bias",
-            }
-        ),
+        sampling=STANDARD_SAMPLING,
         devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
     )
     Options: ClassVar[type[BaseModel]] = LlamaCppOptions

@@ -30,7 +30,7 @@ from unillm._errors import (
     ModelNotFound,
     OutOfMemory,
 )
-from unillm._types import Availability, Capabilities, KVStats, SamplingParams
+from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams
 from unillm.engines._mlx_batch import Batcher
 
 if TYPE_CHECKING:
@@ -84,24 +84,7 @@ class MLXEngine(Engine[MLXOptions]):
     name: ClassVar[str] = "mlx"
     formats: ClassVar[frozenset[str]] = frozenset({"mlx", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=frozenset(
-            {
-                "max_tokens",
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "repetition_penalty",
-                "presence_penalty",
-                "frequency_penalty",
-                "seed",
-                "stop",
-                "stop_token_ids",
-                "ignore_eos",
-                "logprobs",
-                "logit_bias",
-            }
-        ),
+        sampling=STANDARD_SAMPLING,
         batching=False,  # True on an engine whose batch_size > 1 (mlx-lm's BatchGenerator)
         lora=True,
         devices=frozenset({"cpu", "metal"}),
