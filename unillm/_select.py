@@ -200,7 +200,7 @@ def _one_gpu_rule(hardware: Hardware | None, plan: Plan | None) -> str | None:
     biggest = max((g.memory_total_bytes for g in hardware.gpus), default=0)
     if plan.total_bytes > biggest:
         return (
-            f"needs {plan.total_bytes / 2**30:.1f} GiB, more than one GPU ({biggest / 2**30:.0f} GiB) "
+            f"needs {_size(plan.total_bytes)}, more than one GPU ({_size(biggest)}) "
             "holds, and llama.cpp never splits a model across GPUs"
         )
     return None
@@ -227,7 +227,7 @@ def _ten_questions(
     else:
         where = ", ".join(p.device for p in plan.placements) or "unplaced"
         fit = "fits" if plan.fits else "does NOT fit"
-        memory = f"{plan.total_bytes / gib:.1f} GiB needed; {fit} ({where})"
+        memory = f"{_size(plan.total_bytes)} needed; {fit} ({where})"
     if plan is not None and plan.decode_tokens_per_s_ceiling:
         bottleneck = (
             f"decode is bandwidth-bound: at most {plan.decode_tokens_per_s_ceiling:.0f} tok/s per sequence"
@@ -263,3 +263,8 @@ def _ten_questions(
         ("interconnect", link),
         ("goal", wl.goal if wl else "latency"),
     ]
+
+
+def _size(n: int) -> str:
+    """Bytes for people: GiB from 1 GiB up, MiB below."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
