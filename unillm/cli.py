@@ -133,7 +133,7 @@ def inspect_cmd(
     if as_json:
         _dump(info)
         return
-    for name, value in vars(info).items() if hasattr(info, "__dict__") else _fields(info):
+    for name, value in _fields(info):
         if value not in (None, (), False):
             print(f"{name:18s} {value}")
     kv = info.kv_bytes_per_token()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib.metadata
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -40,6 +38,7 @@ from unillm._errors import (
 )
 from unillm._inspect import detect_format
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm.engines._common import check_prompt, installed, token_ids
 from unillm.engines._exllamav2_jobs import JobRunner
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
@@ -148,13 +147,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
     def available(cls) -> Availability:
         if not _gpu_present():
             return Availability(False, NO_GPU, INSTALL_HINT)
-        if importlib.util.find_spec("exllamav2") is None:
-            return Availability(False, "exllamav2 is not installed", INSTALL_HINT)
-        try:
-            version = importlib.metadata.version("exllamav2")
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        return Availability(True, version=version)
+        return installed(("exllamav2", "exllamav2"), hint=INSTALL_HINT)
 
     @classmethod
     def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
@@ -279,16 +272,9 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             tensor = tok.encode(prompt, add_bos=add_bos, encode_special_tokens=True)
             ids = [int(t) for t in tensor[0].tolist()]
         else:
-            ids = [int(t) for t in prompt]
-            vocab = self._config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+            ids = token_ids(prompt, self._config.vocab_size)
             tensor = self._proto.new_tensor([ids])
-        if not ids:
-            raise ConfigError("the prompt is empty: give at least one token")
-        if len(ids) >= self._n_ctx:
-            raise ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+        check_prompt(ids, self._n_ctx, params.max_tokens)
         if len(ids) + params.max_tokens > self._n_ctx:
             exc = ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
             exc.args = (

@@ -12,8 +12,6 @@ Never across several GPUs (a hard rule): on a multi-GPU machine the model runs o
 from __future__ import annotations
 
 import codecs
-import importlib.metadata
-import importlib.util
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,13 +23,13 @@ from unillm._engine import Engine, Request
 from unillm._errors import (
     BackendUnavailable,
     ConfigError,
-    ContextLengthExceeded,
     ModelFormatError,
     ModelLoadError,
     OutOfMemory,
 )
 from unillm._inspect import GGUFHeader, read_gguf_header
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm.engines._common import check_prompt, installed, shared_prefix, token_ids
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -103,13 +101,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
     @classmethod
     def available(cls) -> Availability:
-        if importlib.util.find_spec("llama_cpp") is None:
-            return Availability(False, "llama-cpp-python is not installed", INSTALL_HINT)
-        try:
-            version = importlib.metadata.version("llama-cpp-python")
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        return Availability(True, version=version)
+        return installed(("llama_cpp", "llama-cpp-python"), hint=INSTALL_HINT)
 
     @classmethod
     def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
@@ -205,14 +197,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             add_special = not (self._bos_text and prompt.startswith(self._bos_text))
             ids = llm.tokenize(prompt.encode("utf-8"), add_bos=add_special, special=True)
         else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self._n_vocab]
-            if bad:
-                raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{self._n_vocab - 1})")
-        if not ids:
-            raise ConfigError("the prompt is empty: give at least one token")
-        if len(ids) >= self._n_ctx:
-            raise ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+            ids = token_ids(prompt, self._n_vocab)
+        check_prompt(ids, self._n_ctx, params.max_tokens)
         return ids
 
     def _stream(
@@ -224,12 +210,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
         # Keep the longest prefix the KV cache already holds; re-evaluate at least one token so
         # the logits are fresh.
-        held = llm.n_tokens
-        cached = 0
-        limit = min(held, n_prompt - 1)
-        input_ids = llm.input_ids
-        while cached < limit and input_ids[cached] == ids[cached]:
-            cached += 1
+        cached = shared_prefix(llm.input_ids[: llm.n_tokens], ids)
         if cached and not ctx.kv_cache_seq_rm(-1, cached, -1):
             cached = 0
         llm.n_tokens = cached

@@ -9,8 +9,6 @@ strings: the base class provides them. Requests are serialized (one prompt cache
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import threading
 from collections.abc import Iterator, Sequence
@@ -23,14 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from unillm._engine import Engine, Request
 from unillm._errors import (
     BackendUnavailable,
-    ConfigError,
-    ContextLengthExceeded,
     ModelFormatError,
     ModelLoadError,
     ModelNotFound,
     OutOfMemory,
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams
+from unillm.engines._common import check_prompt, installed, shared_prefix, token_ids
 from unillm.engines._mlx_batch import Batcher
 
 if TYPE_CHECKING:
@@ -96,14 +93,7 @@ class MLXEngine(Engine[MLXOptions]):
 
     @classmethod
     def available(cls) -> Availability:
-        for module, dist in (("mlx", "mlx"), ("mlx_lm", "mlx-lm")):
-            if importlib.util.find_spec(module) is None:
-                return Availability(False, f"{dist} is not installed", INSTALL_HINT)
-        try:
-            version = importlib.metadata.version("mlx-lm")
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        return Availability(True, version=version)
+        return installed(("mlx", "mlx"), ("mlx_lm", "mlx-lm"), hint=INSTALL_HINT)
 
     # ---- load ----
 
@@ -175,15 +165,9 @@ class MLXEngine(Engine[MLXOptions]):
             bos = tok.bos_token
             ids = list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         else:
-            ids = [int(t) for t in prompt]
-            vocab = self._config.get("vocab_size") or len(tok)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        if not ids:
-            raise ConfigError("the prompt is empty: give at least one token")
-        if len(ids) >= self._n_ctx and self.options.max_kv_size is None:
-            raise ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+            ids = token_ids(prompt, self._config.get("vocab_size") or len(tok))
+        # a rotating cache (max_kv_size) takes any prompt length
+        check_prompt(ids, self._n_ctx if self.options.max_kv_size is None else None, params.max_tokens)
         return ids
 
     def _stream(
@@ -333,11 +317,7 @@ class MLXEngine(Engine[MLXOptions]):
             return None, 0
         cache, tokens = saved
         offset = _cache_offset(cache) or 0
-        held = tokens[:offset]
-        limit = min(len(held), len(ids) - 1)
-        keep = 0
-        while keep < limit and held[keep] == ids[keep]:
-            keep += 1
+        keep = shared_prefix(tokens[:offset], ids)
         if keep == 0:
             return None, 0
         if offset - keep > 0:
@@ -353,11 +333,7 @@ class MLXEngine(Engine[MLXOptions]):
             and self._cache is not None
             and cache_mod.can_trim_prompt_cache(self._cache)
         ):
-            held = self._cache_tokens
-            limit = min(len(held), len(ids) - 1)
-            keep = 0
-            while keep < limit and held[keep] == ids[keep]:
-                keep += 1
+            keep = shared_prefix(self._cache_tokens, ids)
             offset = _cache_offset(self._cache) or 0
             if offset - keep > 0:
                 cache_mod.trim_prompt_cache(self._cache, offset - keep)
