@@ -164,55 +164,38 @@ class ExLlamaV2Cache_Q(ExLlamaV2CacheBase):
         self.create_state_tensors(copy_from, lazy)
 
 
-class ExLlamaV2Cache_Q4(ExLlamaV2Cache_Q):
+class _FixedBits(ExLlamaV2Cache_Q):
+    """The public quantized caches: ExLlamaV2Cache_Q's arguments less the packing, which each
+    class fixes (K and V weights per byte)."""
+
+    per_byte: tuple[int, int] = (1, 1)
+
+    def __init__(
+        self,
+        model: Any,
+        batch_size: int = 1,
+        max_seq_len: int = -1,
+        copy_from: Any = None,
+        lazy: bool = False,
+        num_key_value_heads: int | None = None,
+        fixed_device: int | None = None,
+    ) -> None:
+        k, v = self.per_byte
+        super().__init__(
+            model, batch_size, max_seq_len, copy_from, lazy, k, v, num_key_value_heads, fixed_device
+        )
+
+
+class ExLlamaV2Cache_Q4(_FixedBits):
     wbits = 4
-
-    def __init__(
-        self,
-        model: Any,
-        batch_size: int = 1,
-        max_seq_len: int = -1,
-        copy_from: Any = None,
-        lazy: bool = False,
-        num_key_value_heads: int | None = None,
-        fixed_device: int | None = None,
-    ) -> None:
-        super().__init__(
-            model, batch_size, max_seq_len, copy_from, lazy, 2, 2, num_key_value_heads, fixed_device
-        )
+    per_byte = (2, 2)
 
 
-class ExLlamaV2Cache_Q6(ExLlamaV2Cache_Q):
+class ExLlamaV2Cache_Q6(_FixedBits):
     wbits = 6
-
-    def __init__(
-        self,
-        model: Any,
-        batch_size: int = 1,
-        max_seq_len: int = -1,
-        copy_from: Any = None,
-        lazy: bool = False,
-        num_key_value_heads: int | None = None,
-        fixed_device: int | None = None,
-    ) -> None:
-        super().__init__(
-            model, batch_size, max_seq_len, copy_from, lazy, 1, 2, num_key_value_heads, fixed_device
-        )
+    per_byte = (1, 2)
 
 
-class ExLlamaV2Cache_Q8(ExLlamaV2Cache_Q):
+class ExLlamaV2Cache_Q8(_FixedBits):
     wbits = 8
-
-    def __init__(
-        self,
-        model: Any,
-        batch_size: int = 1,
-        max_seq_len: int = -1,
-        copy_from: Any = None,
-        lazy: bool = False,
-        num_key_value_heads: int | None = None,
-        fixed_device: int | None = None,
-    ) -> None:
-        super().__init__(
-            model, batch_size, max_seq_len, copy_from, lazy, 1, 1, num_key_value_heads, fixed_device
-        )
+    per_byte = (1, 1)
