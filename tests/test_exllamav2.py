@@ -135,9 +135,9 @@ def test_the_gpu_probe_decides_when_not_told(monkeypatch: pytest.MonkeyPatch) ->
     import unillm.engines.exllamav2 as backend
 
     monkeypatch.delenv(ASSUME_GPU_ENV)
-    monkeypatch.setattr(backend, "_probe_gpu", lambda: False)
+    monkeypatch.setattr(backend, "gpu_probe", lambda: False)
     assert not ExLlamaV2Engine.available().available
-    monkeypatch.setattr(backend, "_probe_gpu", lambda: True)
+    monkeypatch.setattr(backend, "gpu_probe", lambda: True)
     assert ExLlamaV2Engine.available().available
 
 

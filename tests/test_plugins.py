@@ -72,7 +72,7 @@ print(json.dumps({
 def test_plugin_is_discovered_through_its_entry_point(tmp_path: Path) -> None:
     make_distribution(tmp_path, "unillm-shout", "unillm_shout", GOOD_PLUGIN, entry="shout")
     result = run_with_site(tmp_path, DISCOVER)
-    assert result["names"] == ["llama.cpp", "mlx", "exllamav2", "shout"]
+    assert result["names"] == ["llama.cpp", "mlx", "exllamav2", "vllm", "shout"]
     assert result["failures"] == []
 
 
@@ -98,7 +98,8 @@ def test_broken_plugins_are_reported_and_skipped(tmp_path: Path) -> None:
     """
     make_distribution(tmp_path, "unillm-raises", "unillm_raises", raising, entry="raises")
     result = run_with_site(tmp_path, DISCOVER)
-    assert result["names"] == ["llama.cpp", "mlx", "exllamav2", "shout"]  # the good plugin still works
+    # the good plugin still works
+    assert result["names"] == ["llama.cpp", "mlx", "exllamav2", "vllm", "shout"]
     failures = dict(result["failures"])  # type: ignore[arg-type]
     assert "does_not_exist" in failures["broken"]
     assert "boom" in failures["raises"]
@@ -131,7 +132,7 @@ class Ollama(MockEngine):
 def test_fresh_registry_with_a_direct_plugin() -> None:
     reg = Registry(entry_points=False)
     reg.register_plugin(_Plugin(Alpha), name="alpha-plugin")
-    assert list(reg.backends()) == ["llama.cpp", "mlx", "exllamav2", "alpha"]
+    assert list(reg.backends()) == ["llama.cpp", "mlx", "exllamav2", "vllm", "alpha"]
     assert reg.backends()["alpha"].source == "alpha-plugin"
     assert reg.get("ALPHA") is Alpha
 

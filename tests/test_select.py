@@ -78,15 +78,6 @@ class Model:
     quantization: str | None = None
 
 
-class VLLMDouble(MockEngine):
-    """Stands in for the vLLM backend (issue 5) so the guide's vLLM cases can be checked."""
-
-    name: ClassVar[str] = "vllm"
-    formats: ClassVar[frozenset[str]] = frozenset(
-        {"safetensors", "awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "mxfp4"}
-    )
-
-
 class ExLlamaV3Double(MockEngine):
     """Stands in for an ExLlamaV3 plugin."""
 
@@ -135,7 +126,7 @@ TABLE = [
 
 @pytest.mark.parametrize(("machine", "fmt", "workload", "backend", "reason"), TABLE)
 def test_the_decision_guide(machine: str, fmt: str, workload: Workload, backend: str, reason: str) -> None:
-    b = backends(VLLMDouble, ExLlamaV3Double)
+    b = backends(ExLlamaV3Double)
     s = select(MACHINES[machine], Model(fmt), workload, b, available=installed(b))
     assert s.backend == backend, s.explain()
     chosen = next(c for c in s.candidates if c.name == backend)
@@ -145,7 +136,7 @@ def test_the_decision_guide(machine: str, fmt: str, workload: Workload, backend:
 
 
 def test_candidates_reading_another_format_are_blocked() -> None:
-    b = backends(VLLMDouble)
+    b = backends()
     s = select(MACHINES["1x4090"], Model("gguf"), SINGLE, b, available=installed(b))
     blocked = {c.name: c.blockers for c in s.candidates if not c.eligible}
     assert set(blocked) == {"mlx", "exllamav2", "vllm"}
@@ -153,16 +144,18 @@ def test_candidates_reading_another_format_are_blocked() -> None:
 
 
 def test_the_first_choice_missing_is_recommended_with_its_install_command() -> None:
-    b = backends()  # the built-ins only: no vLLM, no ExLlamaV3
-    s = select(MACHINES["8xH100"], Model("awq"), MANY, b, available=installed(b))
+    b = backends()  # the built-ins only: no ExLlamaV3
+    missing = Availability(False, "vllm is not installed", "pip install 'unillm[vllm]'")
+    avail = installed(b) | {"vllm": missing}
+    s = select(MACHINES["8xH100"], Model("awq"), MANY, b, available=avail)
     assert s.backend == ""  # nothing installed reads AWQ
     assert s.recommendation is not None and "vllm" in s.recommendation and "pip install" in s.recommendation
-    s3 = select(MACHINES["4x4090-pcie"], Model("exl3"), SINGLE, b, available=installed(b))
+    s3 = select(MACHINES["4x4090-pcie"], Model("exl3"), SINGLE, b, available=avail)
     assert s3.recommendation is not None and "ExLlamaV3" in s3.recommendation
 
 
 def test_unavailable_backends_lose_with_the_reason() -> None:
-    b = backends(VLLMDouble)
+    b = backends()
     avail = installed(b) | {"exllamav2": Availability(False, "no GPU", "pip install x")}
     s = select(MACHINES["1x4090"], Model("safetensors"), SINGLE, b, available=avail)
     assert s.backend == "vllm"  # the guide's second choice, since the first cannot run
@@ -171,7 +164,7 @@ def test_unavailable_backends_lose_with_the_reason() -> None:
 
 
 def test_never_llama_cpp_across_several_gpus() -> None:
-    b = backends(VLLMDouble)
+    b = backends()
     big = Plan(140 * GB, 327680, 2 * GB, GB, 143 * GB, True, 10 * GB)
     s = select(MACHINES["4x4090-pcie"], Model("gguf"), SINGLE, b, available=installed(b), plan=big)
     llama = next(c for c in s.candidates if c.name == "llama.cpp")
@@ -183,7 +176,7 @@ def test_never_llama_cpp_across_several_gpus() -> None:
 
 
 def test_pipeline_over_tensor_parallelism_without_nvlink() -> None:
-    b = backends(VLLMDouble)
+    b = backends()
     pcie = select(MACHINES["4x4090-pcie"], Model("awq"), MANY, b, available=installed(b))
     vllm = next(c for c in pcie.candidates if c.name == "vllm")
     assert any("pipeline_parallel_size=4" in r for r in vllm.reasons)
@@ -192,7 +185,7 @@ def test_pipeline_over_tensor_parallelism_without_nvlink() -> None:
 
 
 def test_the_users_choice_wins_and_explains() -> None:
-    b = backends(VLLMDouble)
+    b = backends()
     s = select(
         MACHINES["m3-ultra"], Model("safetensors"), SINGLE, b, available=installed(b), requested="vllm"
     )

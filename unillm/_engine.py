@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import warnings
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -79,6 +79,7 @@ class Request:
         "peak_memory_bytes",
         "prefill_s",
         "prompt_tokens",
+        "queue_s",
     )
 
     def __init__(self) -> None:
@@ -88,6 +89,7 @@ class Request:
         self.prefill_s: float | None = None
         self.decode_s: float | None = None
         self.peak_memory_bytes: int | None = None
+        self.queue_s: float | None = None
 
 
 RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
@@ -211,6 +213,14 @@ class Engine(Generic[P]):
         """
         raise NotImplementedError
 
+    def _astream(self, prepared: Any, params: SamplingParams, req: Request) -> AsyncGenerator[RawPiece, None]:
+        """Optional, for batching backends whose engine is asynchronous: ``_stream`` as an async
+        generator, used by ``astream`` instead of a thread per request."""
+        raise NotImplementedError
+
+    def _native_async(self) -> bool:
+        return self.capabilities.batching and type(self)._astream is not Engine._astream
+
     def _chat_template(self) -> str | None:
         """The model's own chat template, if it has one."""
         return None
@@ -293,7 +303,21 @@ class Engine(Generic[P]):
     async def astream(
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> AsyncIterator[Chunk]:
-        """Async ``stream``. Cancelling the consuming task stops generation at the next token."""
+        """Async ``stream``. Cancelling the consuming task stops generation at the next token.
+
+        A batching backend with a native ``_astream`` runs on the caller's event loop; any other
+        runs its sync ``stream`` on a thread of its own.
+        """
+        if self._native_async():
+            if not self._loaded:
+                raise EngineClosed(f"{self.name}: call load() (or use `with`) before generating")
+            sp = self._params(params, overrides)
+            if not isinstance(prompt, str) and not self.capabilities.token_prompts:
+                raise ConfigError(f"{self.name} takes text prompts only")
+            t0 = perf_counter()
+            async for chunk in self._adrive(self._encode(prompt, sp), sp, t0):
+                yield chunk
+            return
         gen = await asyncio.to_thread(self.stream, prompt, params, **overrides)
         async for chunk in _iterate_in_thread(gen):
             yield chunk
@@ -373,30 +397,15 @@ class Engine(Generic[P]):
         # call to stream(): TTFT includes tokenizing and any wait for a busy engine.
         with self._busy():
             req = Request()
-            first = 0.0
-            n = 0
-            max_tokens = params.max_tokens
-            stops = StopMatcher(params.stop) if params.stop else None
-            finish: FinishReason | None = None
-            tail_text: str = ""
-            tail_ids: tuple[int, ...] = ()
-            tail_lp: tuple[float, ...] | None = None
+            run = _Run(params)
+            step = run.step
             raw = self._stream(prepared, params, req)
             try:
                 for text, ids, lp in raw:
-                    if not first:
-                        first = perf_counter()
-                    n += len(ids)
-                    out = text if stops is None else stops.feed(text)
-                    if stops is not None and stops.stopped:
-                        finish, tail_text, tail_ids, tail_lp = "stop", out, ids, lp
+                    chunk = step(text, ids, lp)
+                    if chunk is None:
                         break
-                    if n >= max_tokens:
-                        finish, tail_text, tail_ids, tail_lp = "length", out, ids, lp
-                        break
-                    yield Chunk(out, ids, None, None, None, lp)
-                else:
-                    finish = req.finish_reason or "stop"
+                    yield chunk
             except UnillmError:
                 raise
             except Exception as exc:
@@ -405,17 +414,72 @@ class Engine(Generic[P]):
                 close = getattr(raw, "close", None)  # a generator; a plain iterator has nothing to close
                 if close is not None:
                     close()
-            end = perf_counter()
-            if stops is not None and not stops.stopped:
-                tail_text += stops.flush()
-            yield Chunk(
-                tail_text,
-                tail_ids,
-                finish,
-                Usage(req.prompt_tokens, n, req.cached_tokens),
-                _timings(req, t0, first or end, end, n),
-                tail_lp,
-            )
+            yield run.last(req, t0)
+
+    async def _adrive(self, prepared: Any, params: SamplingParams, t0: float) -> AsyncIterator[Chunk]:
+        """``_drive`` for a backend with a native ``_astream`` (batching engines only)."""
+        req = Request()
+        run = _Run(params)
+        step = run.step
+        raw = self._astream(prepared, params, req)
+        try:
+            async for text, ids, lp in raw:
+                chunk = step(text, ids, lp)
+                if chunk is None:
+                    break
+                yield chunk
+        except UnillmError:
+            raise
+        except Exception as exc:
+            raise GenerationError(f"{self.name} failed while generating: {exc}") from exc
+        finally:
+            await raw.aclose()
+        yield run.last(req, t0)
+
+
+class _Run:
+    """One request's accounting between the backend's raw pieces and the user's chunks: stop
+    strings, the max-token cut, the final chunk's usage and timings. Shared by both drivers."""
+
+    __slots__ = ("finish", "first", "max_tokens", "n", "stops", "tail")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.first = 0.0
+        self.n = 0
+        self.max_tokens = params.max_tokens
+        self.stops = StopMatcher(params.stop) if params.stop else None
+        self.finish: FinishReason | None = None
+        self.tail: RawPiece = ("", (), None)
+
+    def step(self, text: str, ids: tuple[int, ...], lp: tuple[float, ...] | None) -> Chunk | None:
+        """The chunk for one raw piece, or None when this piece ends the completion."""
+        if not self.first:
+            self.first = perf_counter()
+        self.n += len(ids)
+        stops = self.stops
+        out = text if stops is None else stops.feed(text)
+        if stops is not None and stops.stopped:
+            self.finish, self.tail = "stop", (out, ids, lp)
+            return None
+        if self.n >= self.max_tokens:
+            self.finish, self.tail = "length", (out, ids, lp)
+            return None
+        return Chunk(out, ids, None, None, None, lp)
+
+    def last(self, req: Request, t0: float) -> Chunk:
+        """The final chunk: what the cut held back, the finish reason, usage and timings."""
+        end = perf_counter()
+        text, ids, lp = self.tail
+        if self.stops is not None and not self.stops.stopped:
+            text += self.stops.flush()
+        return Chunk(
+            text,
+            ids,
+            self.finish or req.finish_reason or "stop",
+            Usage(req.prompt_tokens, self.n, req.cached_tokens),
+            _timings(req, t0, self.first or end, end, self.n),
+            lp,
+        )
 
 
 def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timings:
@@ -436,6 +500,7 @@ def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timin
         decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else None,
         source=source,  # type: ignore[arg-type]
         peak_memory_bytes=req.peak_memory_bytes,
+        queue_s=req.queue_s,
     )
 
 
@@ -480,7 +545,9 @@ async def _iterate_in_thread(gen: Iterator[Chunk]) -> AsyncIterator[Chunk]:
     """Run a sync chunk iterator in a worker thread, handing chunks to the event loop.
 
     When the consumer stops (cancelled, or breaks out), the worker is told to stop and closes the
-    generator in its own thread at the next token, which releases the engine.
+    generator in its own thread at the next token, which releases the engine. Each stream has a
+    thread of its own, not one of the loop's default executor (min(32, cores + 4) threads), which
+    would queue concurrent requests to a batching engine behind one another.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -504,7 +571,7 @@ async def _iterate_in_thread(gen: Iterator[Chunk]) -> AsyncIterator[Chunk]:
             gen.close()  # type: ignore[attr-defined]
             put(_DONE)
 
-    worker = loop.run_in_executor(None, work)
+    threading.Thread(target=work, name="unillm-astream", daemon=True).start()
     try:
         while True:
             item = await queue.get()
@@ -515,8 +582,6 @@ async def _iterate_in_thread(gen: Iterator[Chunk]) -> AsyncIterator[Chunk]:
             yield item
     finally:
         stop.set()
-        if worker.done():
-            worker.result()
 
 
 class _Raised:

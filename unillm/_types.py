@@ -68,6 +68,9 @@ class SamplingParams(_Validated):
     stop: tuple[str, ...] = Field(default=(), description="Strings that end the completion; never emitted.")
     stop_token_ids: tuple[int, ...] = Field(default=(), description="Token ids that end the completion.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
+    min_tokens: int = Field(
+        default=0, ge=0, description="Generate at least this many tokens before EOS/stop ids."
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20, description="Return the chosen token's logprob.")
     logit_bias: dict[int, float] | None = Field(default=None, description="Token id -> added logit.")
     response_format: dict[str, Any] | None = Field(default=None, description="JSON schema to follow.")
@@ -177,6 +180,7 @@ class Timings:
     decode_tokens_per_s: float | None
     source: Literal["engine", "wall"] = "wall"
     peak_memory_bytes: int | None = None  # the engine's peak memory so far, where it reports one
+    queue_s: float | None = None  # waiting for a slot in a batching engine's scheduler, where it reports it
 
 
 @dataclass(frozen=True, slots=True)

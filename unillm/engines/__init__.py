@@ -17,7 +17,9 @@ def unillm_register_backends(register: Callable[[Any], None]) -> None:
     from unillm.engines.exllamav2 import ExLlamaV2Engine
     from unillm.engines.llamacpp import LlamaCppEngine
     from unillm.engines.mlx import MLXEngine
+    from unillm.engines.vllm import VLLMEngine
 
     register(LlamaCppEngine)
     register(MLXEngine)
     register(ExLlamaV2Engine)
+    register(VLLMEngine)

@@ -1,17 +1,22 @@
-"""Small pieces every backend needs the same way: an availability check that imports nothing,
-prompt validation, and the shared-prefix count for KV-cache reuse."""
+"""Small pieces every backend needs the same way: availability checks that import nothing (the
+package, a GPU), prompt validation, and the shared-prefix count for KV-cache reuse."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
+import os
+import shutil
+import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from unillm._errors import ConfigError, ContextLengthExceeded
 from unillm._types import Availability
 
-__all__ = ["check_prompt", "installed", "shared_prefix", "token_ids"]
+__all__ = ["check_prompt", "gpu_present", "gpu_probe", "installed", "shared_prefix", "token_ids"]
 
 
 class _Tokens(Protocol):
@@ -59,3 +64,34 @@ def shared_prefix(held: _Tokens, ids: Sequence[int]) -> int:
     while n < limit and held[n] == ids[n]:
         n += 1
     return n
+
+
+#: "1" skips the GPU probe and assumes a CUDA/ROCm GPU, "0" assumes none: for tests, and for
+#: machines whose GPU the probe cannot see.
+ASSUME_GPU_ENV = "UNILLM_ASSUME_GPU"
+
+
+def gpu_present() -> bool:
+    """A CUDA or ROCm GPU is there (``UNILLM_ASSUME_GPU`` overrides the probe)."""
+    forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return gpu_probe()
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_probe() -> bool:
+    """A CUDA or ROCm device, seen without importing torch: driver nodes first, nvidia-smi last
+    (WSL2 has no /dev/nvidia*)."""
+    if Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*")):
+        return True
+    if Path("/dev/kfd").exists():
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout

