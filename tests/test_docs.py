@@ -17,6 +17,7 @@ from unillm._config import ENV_VARS
 from unillm.engines.exllamav2 import ExLlamaV2Options
 from unillm.engines.llamacpp import LlamaCppOptions
 from unillm.engines.mlx import MLXOptions
+from unillm.engines.vllm import VLLMOptions
 from unillm.testing import MockEngine, check_engine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,23 +52,25 @@ BACKEND_PAGES = [
     ("backends/llamacpp.md", LlamaCppOptions),
     ("backends/mlx.md", MLXOptions),
     ("backends/exllamav2.md", ExLlamaV2Options),
+    ("backends/vllm.md", VLLMOptions),
 ]
 
 
-@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx", "exllamav2"])
+@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx", "exllamav2", "vllm"])
 def test_every_backend_option_is_documented(page: str, options: type[BaseModel]) -> None:
     text = read(page)
     for name in options.model_fields:
         assert f"`{name}`" in text, f"option {name} is missing from docs/{page}"
 
 
-@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx", "exllamav2"])
+@pytest.mark.parametrize(("page", "options"), BACKEND_PAGES, ids=["llamacpp", "mlx", "exllamav2", "vllm"])
 def test_backend_options_table_matches_the_model(page: str, options: type[BaseModel]) -> None:
     rows = table(read(page), "## Options")
     documented = {code(row[0]): row for row in rows}
     assert list(documented) == list(options.model_fields)  # same names, same order
     for name, field in options.model_fields.items():
-        assert ast.literal_eval(code(documented[name][2])) == field.default, f"default of {name}"
+        default = field.get_default(call_default_factory=True)
+        assert ast.literal_eval(code(documented[name][2])) == default, f"default of {name}"
 
 
 def test_every_env_var_is_documented() -> None:

