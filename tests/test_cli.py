@@ -21,6 +21,15 @@ def test_backends_and_doctor() -> None:
     assert doc.exit_code == 0 and "python" in doc.output and "memory" in doc.output
 
 
+def test_install_hints_keep_their_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unillm[exllamav2]` is an extra, not rich markup: the command must print it whole."""
+    monkeypatch.setenv("UNILLM_EXLLAMAV2_ASSUME_GPU", "0")
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row
+    out = runner.invoke(app, ["backends"])
+    assert out.exit_code == 0
+    assert "pip install 'unillm[exllamav2]'" in out.output
+
+
 def test_build_tiny(tmp_path: Path) -> None:
     out = runner.invoke(app, ["testing", "build-tiny", str(tmp_path), "--size", "small"])
     assert out.exit_code == 0, out.output

@@ -33,8 +33,15 @@ def _console() -> Any:
     return Console()
 
 
+def _esc(text: object) -> str:
+    """Text from data (install hints like ``unillm[vllm]``, errors) shown literally, not as markup."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
 def _fail(exc: Exception) -> typer.Exit:
-    _console().print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+    _console().print(f"[bold red]error:[/] {type(exc).__name__}: {_esc(exc)}", highlight=False)
     return typer.Exit(2)
 
 
@@ -51,16 +58,16 @@ def backends_cmd() -> None:
         a = info.availability()
         detail = a.version or "" if a.available else f"{a.reason}; {a.install_hint or ''}"
         table.add_row(
-            info.name,
-            info.source,
-            ", ".join(sorted(info.cls.formats)),
+            _esc(info.name),
+            _esc(info.source),
+            _esc(", ".join(sorted(info.cls.formats))),
             "[green]yes[/]" if a.available else "[red]no[/]",
-            detail,
+            _esc(detail),
         )
     console = _console()
     console.print(table)
     for f in reg.failures:
-        console.print(f"[yellow]plugin {f.plugin!r} skipped:[/] {f.reason}")
+        console.print(f"[yellow]plugin {_esc(repr(f.plugin))} skipped:[/] {_esc(f.reason)}")
 
 
 @app.command()
@@ -87,7 +94,7 @@ def doctor(
     console.print(f"python   {platform.python_version()} ({sys.executable})")
     console.print(f"platform {platform.platform()}")
     for line in hw.summary_lines():
-        console.print(line, highlight=False)
+        console.print(_esc(line), highlight=False)
     backends_cmd()
 
 
