@@ -19,6 +19,7 @@ from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm.engines import vllm as backend
 from unillm.engines._vllm_runtime import Mailbox, OutputCapture
+from unillm.engines._vllm_start import load_error
 from unillm.engines.vllm import VLLMEngine
 from unillm.testing import TinyModel
 
@@ -190,7 +191,8 @@ class _Capture:
 def test_start_up_failures_map_to_typed_errors(
     message: str, lines: tuple[str, ...], error: type, phrase: str
 ) -> None:
-    err = backend._load_error(RuntimeError(message), _Capture(*lines), {"model": "m", "max_model_len": 99999})  # type: ignore[arg-type]
+    args = {"model": "m", "max_model_len": 99999}
+    err = load_error(RuntimeError(message), _Capture(*lines), args)  # type: ignore[arg-type]
     assert type(err) is error
     assert phrase in str(err)
 

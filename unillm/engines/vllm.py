@@ -17,11 +17,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
-import importlib.metadata
 import importlib.util
 import itertools
 import logging
-import os
 import queue
 import sys
 import threading
@@ -38,13 +36,13 @@ from unillm._errors import (
     ConfigError,
     GenerationError,
     ModelFormatError,
-    ModelLoadError,
     OutOfMemory,
     UnillmError,
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
 from unillm.engines._common import check_prompt, gpu_present, token_ids
-from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture, stat_logger_factory
+from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
+from unillm.engines._vllm_start import import_vllm, quiet_vllm_logger, start
 
 __all__ = ["VLLMEngine", "VLLMOptions"]
 
@@ -190,17 +188,17 @@ class VLLMEngine(Engine[VLLMOptions]):
             raise BackendUnavailable(self.name, avail.reason, avail.install_hint)
         info = _inspect(path)
         args = self._engine_args(path, info)
-        vllm = _import_vllm()
+        vllm = import_vllm(_hint())
         capture = OutputCapture()
         numbers = KVNumbers()
         loop = EngineLoop()
         try:
-            engine = _start(vllm, args, loop, capture, numbers)
+            engine = start(vllm, args, loop, capture, numbers, _build()[1])
         except BaseException:
             loop.stop()
             capture.stop()
             raise
-        _quiet_vllm_logger()
+        quiet_vllm_logger()
         #: the AsyncEngineArgs keywords vLLM was started with
         self.engine_args: dict[str, Any] = args
         self._vllm = vllm
@@ -602,112 +600,3 @@ def _json_schema(response_format: Mapping[str, Any]) -> Any:
     if response_format.get("type") == "json_object":
         return {"type": "object"}
     return dict(response_format)
-
-
-class _VLLM:
-    """The parts of vLLM the backend uses, imported once at load."""
-
-    def __init__(self) -> None:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.SamplingParams = VSamplingParams
-        self.AsyncEngineArgs = AsyncEngineArgs
-        self.AsyncLLM = AsyncLLM
-        self.RequestOutputKind = RequestOutputKind
-        self.StructuredOutputsParams = StructuredOutputsParams
-        self.tokens_input = tokens_input
-
-
-def _import_vllm() -> _VLLM:
-    """Import vLLM on a thread of its own: a module that keeps the frame it was imported from then
-    keeps that thread's finished frames, not the caller's (with the engine in their locals)."""
-    result: list[_VLLM | BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(_VLLM())
-        except BaseException as exc:
-            result.append(exc)
-
-    worker = threading.Thread(target=run, name="unillm-vllm-import")
-    worker.start()
-    worker.join()
-    got = result[0]
-    if isinstance(got, _VLLM):
-        return got
-    if not isinstance(got, ImportError | OSError | RuntimeError):
-        raise got
-    text = str(got)
-    fix = ""
-    if "torchvision" in text or "torchaudio" in text:
-        fix = (
-            ". The torchvision/torchaudio/torchcodec that pip took from PyPI do not match vLLM's torch "
-            "build; remove them: pip uninstall -y torchvision torchaudio torchcodec"
-        )
-    raise BackendUnavailable("vllm", f"vllm failed to import: {text}{fix}", _hint()) from got
-
-
-def _start(
-    vllm: _VLLM, args: dict[str, Any], loop: EngineLoop, capture: OutputCapture, numbers: KVNumbers
-) -> Any:
-    """Create the AsyncLLM on the engine loop, the engine processes writing into ``capture``."""
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(vllm.AsyncEngineArgs)}
-    unknown = sorted(set(args) - fields)
-    if unknown:
-        raise ConfigError(f"vLLM {_build()[1]} has no engine argument {', '.join(unknown)}")
-    try:
-        engine_args = vllm.AsyncEngineArgs(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"vLLM refuses the engine arguments: {exc}") from exc
-    factory = stat_logger_factory(numbers)
-
-    async def create() -> Any:
-        return vllm.AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        with capture.redirect():
-            return loop.call(create())
-    except Exception as exc:
-        raise _load_error(exc, capture, args) from exc
-
-
-def _load_error(exc: Exception, capture: OutputCapture, args: Mapping[str, Any]) -> UnillmError:
-    text = f"{type(exc).__name__}: {exc}"
-    lines = capture.tail(6, matching=r"error|exception|memory|not supported|raise")
-    quoted = "".join(f"\n  {ln}" for ln in lines)
-    joined = f"{text}\n{quoted}".lower()
-    model = args.get("model")
-    if "architecture" in joined and ("not supported" in joined or "are not supported" in joined):
-        return ModelFormatError(f"vLLM does not support the architecture of {model!r}: {exc}{quoted}")
-    if "quantization" in joined and ("not supported" in joined or "unknown" in joined):
-        return ModelFormatError(f"vLLM cannot run the quantization of {model!r} here: {exc}{quoted}")
-    if "max_model_len" in joined or "max model len" in joined or "max seq len" in joined:
-        if "kv cache" in joined or "memory" in joined:
-            return OutOfMemory(
-                f"the KV cache cannot hold one sequence of max_model_len={args.get('max_model_len')}: "
-                f"lower context_length, or give vLLM more memory (gpu_memory_utilization, "
-                f"kv_cache_memory_bytes).{quoted or ' ' + text}"
-            )
-        return ConfigError(f"vLLM refuses max_model_len={args.get('max_model_len')}: {exc}{quoted}")
-    if "out of memory" in joined or "memory" in joined:
-        return OutOfMemory(
-            f"vLLM ran out of memory starting the engine: lower context_length or max_num_seqs, or "
-            f"use a smaller model or a quantized KV cache (kv_cache_dtype='fp8').{quoted or ' ' + text}"
-        )
-    return ModelLoadError(f"vLLM failed to start the engine for {model!r}: {text}{quoted}")
-
-
-def _quiet_vllm_logger() -> None:
-    """After start-up, vLLM's own log records in this process go to logging (the application's
-    handlers), not straight to stdout."""
-    vlog = logging.getLogger("vllm")
-    for handler in list(vlog.handlers):
-        vlog.removeHandler(handler)
-    vlog.propagate = True
