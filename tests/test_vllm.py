@@ -83,6 +83,20 @@ def wait_for(condition: Any, timeout: float = 20.0) -> bool:
     return False
 
 
+def new_processes(before: set[int]) -> list[Any]:
+    """Child processes started since ``before`` (pids), not counting multiprocessing's resource
+    tracker, which the first engine start creates and which lives until the test process ends."""
+    import psutil
+
+    def tracker(p: Any) -> bool:
+        try:
+            return "resource_tracker" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before and not tracker(p)]
+
+
 # ---- parity ----
 
 
@@ -398,15 +412,20 @@ def test_a_context_longer_than_the_model_was_trained_for_is_refused(tiny: TinyMo
 
 
 def test_a_kv_cache_too_small_for_one_sequence_is_out_of_memory(tiny: TinyModel) -> None:
-    with pytest.raises(OutOfMemory, match=r"max_model_len|KV cache"):
-        load_engine(
-            {
-                "model": str(tiny.hf_dir),
-                "backend": "vllm",
-                "context_length": 4096,
-                "backend_options": {"vllm": {**OPTIONS, "kv_cache_memory_bytes": 1 << 20}},
-            }
-        )
+    """vLLM's own check at KV allocation, in its engine process (the engine class directly: through
+    load_engine, auto_engine's walk-down would retry at 2048 and 1024 tokens first)."""
+    from unillm.engines.vllm import VLLMEngine
+
+    psutil = pytest.importorskip("psutil")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    small = {**OPTIONS, "kv_cache_memory_bytes": 1 << 20}  # one 4096-token sequence needs 4 MiB
+    engine = VLLMEngine(model=str(tiny.hf_dir), context_length=4096, options=small)
+    with pytest.raises(OutOfMemory, match=r"max_model_len=4096") as err:
+        engine.load()
+    assert "KV cache" in str(err.value)  # the engine's own line is quoted
+    assert not engine.loaded
+
+    assert wait_for(lambda: not new_processes(before), timeout=15), new_processes(before)
 
 
 # ---- lifecycle ----
@@ -430,7 +449,7 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
         for _ in range(3):
             before = {p.pid for p in me.children(recursive=True)}
             eng = open_vllm(tiny)
-            started = [p for p in me.children(recursive=True) if p.pid not in before]
+            started = new_processes(before)
             assert started, "vLLM runs its engine in child processes"
             ids = eng.generate(PROMPTS[0], GREEDY).token_ids
             expected = expected or ids
