@@ -145,6 +145,16 @@ def test_parallel_sizes_are_checked_against_the_model(
         engine_args(tiny, options={"pipeline_parallel_size": 3})  # 2 layers
 
 
+def test_the_parallel_plan_and_its_notes_stay_on_the_engine(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch)
+    eng = VLLMEngine(model=str(tiny.hf_dir), options={"tensor_parallel_size": 2})
+    eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    assert eng.parallel is not None and eng.parallel.tensor_parallel_size == 2
+    assert any("CPU" in note for note in eng.parallel.notes)
+
+
 def test_unknown_options_are_refused(tiny: TinyModel) -> None:
     with pytest.raises(ConfigError, match="valid vllm options"):
         VLLMEngine(model=str(tiny.hf_dir), options={"gpu_mem": 0.5})

@@ -41,6 +41,7 @@ from unillm._errors import (
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
 from unillm.engines._common import check_prompt, gpu_present, token_ids
+from unillm.engines._vllm_parallel import ParallelPlan, plan_parallel
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
 from unillm.engines._vllm_start import import_vllm, quiet_vllm_logger, start
 
@@ -151,6 +152,8 @@ class VLLMEngine(Engine[VLLMOptions]):
     )
     Options: ClassVar[type[BaseModel]] = VLLMOptions
     install_hint: ClassVar[str | None] = GPU_HINT
+    #: how the model is spread over devices (tp/pp/dp, executor) and why: set at load
+    parallel: ParallelPlan | None = None
 
     # ---- availability ----
 
@@ -222,8 +225,6 @@ class VLLMEngine(Engine[VLLMOptions]):
 
     def _engine_args(self, path: Path, info: Any) -> dict[str, Any]:
         """The ``AsyncEngineArgs`` keywords for this config (pure: checked before vLLM starts)."""
-        from unillm.engines._vllm_parallel import plan_parallel
-
         opts: VLLMOptions = self.options
         if (
             opts.max_model_len
