@@ -24,6 +24,7 @@ import pytest
 from unillm import (
     ConfigError,
     ContextLengthExceeded,
+    EngineClosed,
     ModelFormatError,
     OutOfMemory,
     SamplingParams,
@@ -458,6 +459,8 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
             eng.close()
             gc.collect()
             assert ref() is None, "the AsyncLLM is freed"
+            with pytest.raises(EngineClosed):
+                eng.kv_stats()
             _, alive = psutil.wait_procs(started, timeout=15)
             assert not alive, f"engine processes still running: {alive}"
     finally:

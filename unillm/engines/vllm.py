@@ -34,6 +34,7 @@ from unillm._engine import Engine, Messages, Request
 from unillm._errors import (
     BackendUnavailable,
     ConfigError,
+    EngineClosed,
     GenerationError,
     ModelFormatError,
     OutOfMemory,
@@ -476,8 +477,15 @@ class VLLMEngine(Engine[VLLMOptions]):
 
     # ---- KV cache ----
 
+    def _running(self) -> Any:
+        """The AsyncLLM, or EngineClosed when the engine is not loaded."""
+        engine = getattr(self, "_engine", None)
+        if engine is None or not self._loaded:
+            raise EngineClosed(f"{self.name}: the engine is not loaded; call load() (or use `with`)")
+        return engine
+
     def kv_stats(self) -> KVStats:
-        cache = self._engine.vllm_config.cache_config
+        cache = self._running().vllm_config.cache_config
         blocks = cache.num_gpu_blocks
         size = cache.block_size
         n = self._numbers
@@ -500,7 +508,7 @@ class VLLMEngine(Engine[VLLMOptions]):
 
     def reset(self) -> None:
         """Drop the prefix cache (blocks of running requests stay)."""
-        self._loop.call(self._engine.reset_prefix_cache())
+        self._loop.call(self._running().reset_prefix_cache())
 
     # ---- close ----
 
