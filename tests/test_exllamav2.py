@@ -31,6 +31,7 @@ from unillm import (
     SamplingParams,
     auto_engine,
 )
+from unillm.engines import _common
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV, ExLlamaV2Engine, _template
 from unillm.testing import TinyModel, check_engine
 from unillm.testing._tiny import CHAT_TEMPLATE
@@ -132,12 +133,11 @@ def test_no_gpu_is_unavailable_with_the_reason_and_the_alternatives(
 
 
 def test_the_gpu_probe_decides_when_not_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    import unillm.engines.exllamav2 as backend
 
     monkeypatch.delenv(ASSUME_GPU_ENV)
-    monkeypatch.setattr(backend, "gpu_probe", lambda: False)
+    monkeypatch.setattr(_common, "gpu_probe", lambda: False)
     assert not ExLlamaV2Engine.available().available
-    monkeypatch.setattr(backend, "gpu_probe", lambda: True)
+    monkeypatch.setattr(_common, "gpu_probe", lambda: True)
     assert ExLlamaV2Engine.available().available
 
 

@@ -66,14 +66,10 @@ def shared_prefix(held: _Tokens, ids: Sequence[int]) -> int:
     return n
 
 
-#: "1" skips the GPU probe and assumes a CUDA/ROCm GPU, "0" assumes none: for tests, and for
-#: machines whose GPU the probe cannot see.
-ASSUME_GPU_ENV = "UNILLM_ASSUME_GPU"
-
-
-def gpu_present() -> bool:
-    """A CUDA or ROCm GPU is there (``UNILLM_ASSUME_GPU`` overrides the probe)."""
-    forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
+def gpu_present(override_env: str | None = None) -> bool:
+    """A CUDA or ROCm GPU is there. ``override_env`` names a variable that, set to "1" or "0",
+    replaces the probe (for tests, and machines whose GPU the probe cannot see)."""
+    forced = os.environ.get(override_env, "").strip() if override_env else ""
     if forced in ("0", "1"):
         return forced == "1"
     return gpu_probe()

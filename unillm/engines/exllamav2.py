@@ -12,7 +12,6 @@ cached tokens. exllamav2 has no chat templates: the model's HF template renders 
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -35,7 +34,7 @@ from unillm._errors import (
 )
 from unillm._inspect import detect_format
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, gpu_probe, installed, token_ids
+from unillm.engines._common import check_prompt, gpu_present, installed, token_ids
 from unillm.engines._exllamav2_jobs import JobRunner
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
@@ -422,10 +421,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
 
 
 def _gpu_present() -> bool:
-    forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return gpu_probe()
+    return gpu_present(ASSUME_GPU_ENV)
 
 
 def _checked_dir(model: str, what: str) -> Path:
