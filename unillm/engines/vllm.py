@@ -332,16 +332,20 @@ class VLLMEngine(Engine[VLLMOptions]):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"vLLM refuses these sampling parameters: {exc}") from exc
 
-    async def _pump(self, ids: list[int], sp: Any, put: Callable[[Any], None]) -> None:
-        """On the engine's loop: run one vLLM request, handing each output to ``put``. Cancelling
-        this task aborts the request in vLLM (its ``generate`` does so on cancellation)."""
+    async def _pump(self, ids: list[int], sp: Any, req: Request, put: Callable[[Any], None]) -> None:
+        """On the engine's loop: run one vLLM request, handing its raw pieces to ``put``, then an
+        error (mapped) if it fails, and ``_END``. Cancelling this task aborts the request in vLLM
+        (its ``generate`` does so on cancellation)."""
         try:
-            async for out in self._engine.generate(self._vllm.tokens_input(ids), sp, f"unillm-{next(_ids)}"):
-                put(out)
+            rid = f"unillm-{next(_ids)}"
+            async for out in self._engine.generate(self._vllm.tokens_input(ids), sp, rid):
+                piece = self._piece(out, req)
+                if piece is not None:
+                    put(piece)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            put(exc)
+            put(self._generation_error(exc))
         finally:
             put(_END)
 
@@ -351,23 +355,14 @@ class VLLMEngine(Engine[VLLMOptions]):
         ids, sp = prepared
         req.prompt_tokens = len(ids)
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        future = self._loop.submit(self._pump(ids, sp, q.put))
-        done = False
+        future = self._loop.submit(self._pump(ids, sp, req, q.put))
         try:
-            while True:
-                item = q.get()
-                if item is _END:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise self._generation_error(item)
-                piece = self._piece(item, req)
-                if piece is not None:
-                    yield piece
+            while (item := q.get()) is not _END:
+                if isinstance(item, UnillmError):
+                    raise item
+                yield item
         finally:
-            if not done:
-                future.cancel()
+            future.cancel()  # a no-op once the request has ended; else it aborts it in vLLM
 
     async def _astream(
         self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
@@ -376,23 +371,14 @@ class VLLMEngine(Engine[VLLMOptions]):
         req.prompt_tokens = len(ids)
         q: asyncio.Queue[Any] = asyncio.Queue()
         post = functools.partial(self._mailbox(asyncio.get_running_loop()).post, q)
-        future = self._loop.submit(self._pump(ids, sp, post))
-        done = False
+        future = self._loop.submit(self._pump(ids, sp, req, post))
         try:
-            while True:
-                item = await q.get()
-                if item is _END:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise self._generation_error(item)
-                piece = self._piece(item, req)
-                if piece is not None:
-                    yield piece
+            while (item := await q.get()) is not _END:
+                if isinstance(item, UnillmError):
+                    raise item
+                yield item
         finally:
-            if not done:
-                future.cancel()
+            future.cancel()  # a no-op once the request has ended; else it aborts it in vLLM
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         with self._mailbox_lock:
