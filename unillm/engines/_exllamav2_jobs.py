@@ -4,7 +4,7 @@ The generator runs on a ``StepWorker`` thread (it is not thread-safe): callers h
 read their jobs' result dicts from their own queue, so any number of threads or asyncio tasks
 generate at once and every ``iterate()`` advances all of their jobs together. A caller that stops
 early (a broken stream, a cancelled task) has its job cancelled at the next step, which frees its
-cache pages. Hold ``lock`` to read the generator's page table from another thread.
+cache pages. Read the generator's state from another thread with ``call``.
 """
 
 from __future__ import annotations

@@ -6,18 +6,26 @@ advances the engine one step at a time (each step serves every request in flight
 batching) and routes each step's events to their callers. A caller that stops early ``cancel``s
 and its request leaves the engine at the next step. A step that raises fails the requests in
 flight (the engine's state is suspect) and the worker carries on with a reset engine.
+
+Other threads never touch the engine: they ``call`` a function, which the worker runs between
+two steps. A lock shared with the worker would not do: the worker takes it again straight after
+each step, and Python's locks are not fair, so a reader could wait out a whole generation.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, TypeVar
 
 from unillm._errors import EngineClosed
 
 __all__ = ["Live", "StepWorker"]
+
+T = TypeVar("T")
 
 
 class Live:
@@ -33,14 +41,13 @@ class Live:
 
 
 class StepWorker:
-    """Base of the engine workers. Subclasses say how to add, remove and step; ``lock`` is held
-    whenever the worker touches the engine, so other threads may hold it to read its state."""
+    """Base of the engine workers. Subclasses say how to add, remove and step; only the worker
+    thread touches the engine (other threads read its state through ``call``)."""
 
     thread_name = "unillm-worker"
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._inbox: queue.SimpleQueue[tuple[str, Live]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._live: dict[int, Live] = {}
         self._closed = False
@@ -49,7 +56,7 @@ class StepWorker:
     def _start(self) -> None:
         self._thread.start()
 
-    # ---- what a subclass implements (called on the worker thread, under ``lock``) ----
+    # ---- what a subclass implements (called on the worker thread) ----
 
     def _add(self, payload: Any) -> int:
         """Put a request into the engine; return its key there."""
@@ -73,6 +80,8 @@ class StepWorker:
     # ---- called from any thread ----
 
     def submit(self, payload: Any) -> Live:
+        if self._closed:
+            raise EngineClosed("the engine is closed")
         live = Live(payload)
         self._inbox.put(("add", live))
         self._wake.set()
@@ -82,6 +91,22 @@ class StepWorker:
         """Drop a request whose caller no longer reads it (a no-op once it has finished)."""
         self._inbox.put(("remove", live))
         self._wake.set()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the worker thread before its next step and return what it returns (or
+        raise what it raises). It waits for at most the step in progress, however busy the engine
+        is. Raises ``EngineClosed`` once the worker has stopped."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        done: Future[T] = Future()
+        self._inbox.put(("call", (fn, done)))
+        self._wake.set()
+        while not wait_futures([done], timeout=0.5).done:
+            if not self._thread.is_alive() and not done.done():
+                raise EngineClosed("the engine was closed before it could answer")
+        return done.result()
 
     @property
     def active(self) -> int:
@@ -103,11 +128,9 @@ class StepWorker:
                 self._wake.clear()
                 continue
             try:
-                with self.lock:
-                    events = list(self._step())
+                events = list(self._step())
             except Exception as exc:
-                with self.lock:
-                    self._reset()
+                self._reset()
                 for failed in self._live.values():
                     failed.events.put(exc)
                 self._live.clear()
@@ -119,27 +142,47 @@ class StepWorker:
                 target.events.put(event)
                 if last:
                     del self._live[key]
-        with self.lock:
-            self._shutdown()
+        self._shutdown()
+        self._drain_after_close()
         for orphan in self._live.values():
             orphan.events.put(EngineClosed("the engine was closed while this request ran"))
         self._live.clear()
 
-    def _drain(self) -> None:
+    def _inbox_items(self) -> Iterator[tuple[str, Any]]:
+        """What callers sent, until the inbox is empty."""
         while True:
             try:
-                kind, live = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for kind, item in self._inbox_items():
+            if kind == "call":
+                fn, done = item
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(fn())
+                    except BaseException as exc:  # handed to the caller, who raises it
+                        done.set_exception(exc)
+                continue
+            live: Live = item
             if kind == "remove":
                 if live.key is not None and self._live.pop(live.key, None) is not None:
-                    with self.lock:
-                        self._remove(live)
+                    self._remove(live)
                 continue
             try:
-                with self.lock:
-                    live.key = self._add(live.payload)
+                live.key = self._add(live.payload)
             except Exception as exc:
                 live.events.put(exc)
                 continue
             self._live[live.key] = live
+
+    def _drain_after_close(self) -> None:
+        """Answer what arrived while the worker stopped, so that no caller waits on it."""
+        closed = "the engine was closed before it could answer"
+        for kind, item in self._inbox_items():
+            if kind == "call":
+                item[1].set_exception(EngineClosed(closed))
+            elif kind == "add":
+                item.events.put(EngineClosed(closed))

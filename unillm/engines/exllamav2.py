@@ -376,9 +376,9 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
     def kv_stats(self) -> KVStats:
         gen, bpt = self._generator, self._bpt
         capacity = int(self._cache.max_seq_len)
-        with self._runner.lock:
-            in_use = list(gen.referenced_pages.values())
-            used = sum(int(page.kv_position) for page in in_use)
+        # the page table belongs to the worker thread: read it there, between two steps
+        in_use = self._runner.call(lambda: [int(page.kv_position) for page in gen.referenced_pages.values()])
+        used = sum(in_use)
         paged = bool(gen.paged)
         return KVStats(
             capacity_tokens=capacity,
@@ -396,10 +396,14 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
 
     def reset(self) -> None:
         """Forget the cached prefix pages (the next request evaluates its whole prompt)."""
-        with self._runner.lock:
-            if self._generator.num_remaining_jobs():
+        gen = self._generator
+
+        def reset_pages() -> None:
+            if gen.num_remaining_jobs():
                 raise GenerationError("cannot reset the KV cache while requests are running")
-            self._generator.reset_page_table()
+            gen.reset_page_table()
+
+        self._runner.call(reset_pages)
 
     # ---- close ----
 
