@@ -25,7 +25,6 @@ class Counter(StepWorker):
         self.counts: dict[int, int] = {}
         self.limits: dict[int, int | None] = {}
         self.steps = 0
-        self.worker_threads: set[str] = set()
         self._next = 0
         self._start()
 
@@ -39,7 +38,6 @@ class Counter(StepWorker):
         del self.counts[live.key]
 
     def _step(self) -> Iterable[tuple[int, Any, bool]]:
-        self.worker_threads.add(threading.current_thread().name)
         time.sleep(self.step_s)
         self.steps += 1
         out = []
