@@ -11,6 +11,7 @@ import pytest
 
 from unillm import (
     BackendUnavailable,
+    ConfigError,
     ContextLengthExceeded,
     ModelFormatError,
     ModelNotFound,
@@ -207,8 +208,10 @@ def test_prefix_reuse_is_visible_in_usage(llama: Any) -> None:
     turn = llama.generate([*ids, *first.token_ids[:3]], GREEDY, max_tokens=4)
     assert turn.usage.cached_prompt_tokens == len(ids) + 2
     after = llama.kv_stats()
-    assert after.prefix_cache_queries == before.prefix_cache_queries + 2
-    assert after.prefix_cache_hits == before.prefix_cache_hits + 2
+    # queries and hits count prompt tokens (vLLM's meaning): two prompts looked up, and the
+    # tokens each took from the cache
+    assert after.prefix_cache_queries == before.prefix_cache_queries + len(ids) + len(ids) + 3
+    assert after.prefix_cache_hits == before.prefix_cache_hits + (len(ids) - 1) + (len(ids) + 2)
 
 
 def test_eight_threads_match_sequential_runs(llama: Any) -> None:
@@ -318,8 +321,28 @@ def _more_than_ram_tokens() -> int:
 def test_allocation_failure_is_out_of_memory(tiny_gguf: Path) -> None:
     from unillm.engines.llamacpp import LlamaCppEngine
 
+    huge = _more_than_ram_tokens()
+    # refused from the plan before llama.cpp allocates anything, with the numbers and what fits
+    with pytest.raises(OutOfMemory, match=r"RAM is free; use a context of at most \d+ tokens"):
+        LlamaCppEngine(model=str(tiny_gguf), context_length=huge).load()
+    # past the check, llama.cpp's own allocation failure maps to OutOfMemory too
     with pytest.raises(OutOfMemory, match="smaller context"):
-        LlamaCppEngine(model=str(tiny_gguf), context_length=_more_than_ram_tokens()).load()
+        LlamaCppEngine(
+            model=str(tiny_gguf),
+            context_length=huge,
+            options={"skip_memory_check": True, "allow_longer_context": True},
+        ).load()
+
+
+def test_a_context_past_the_trained_one_is_refused(tiny_gguf: Path) -> None:
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    with pytest.raises(ConfigError, match="trained for"):
+        LlamaCppEngine(model=str(tiny_gguf), context_length=8192).load()
+    with LlamaCppEngine(
+        model=str(tiny_gguf), context_length=8192, options={"allow_longer_context": True}
+    ) as e:
+        assert e.kv_stats().capacity_tokens == 8192
 
 
 def test_auto_engine_walks_down_to_a_context_that_fits(tiny_gguf: Path) -> None:

@@ -108,7 +108,7 @@ def test_a_closed_worker_refuses_reads_and_requests_and_ends_those_in_flight() -
     running = w.submit(None)
     assert running.events.get() == 1
     w.close()
-    assert not w._thread.is_alive()
+    assert w.stopped
     # the request in flight ends with EngineClosed (after any events already queued)
     events = []
     while not isinstance(event := running.events.get(), BaseException):
@@ -129,7 +129,7 @@ def test_what_arrives_while_the_worker_stops_is_answered() -> None:
     late = Live(1)
     w._inbox.put(("add", late))
     w._wake.set()
-    w._thread.join(timeout=10)
-    assert not w._thread.is_alive()
+    w.wait_stopped(timeout=10)
+    assert w.stopped
     assert isinstance(read.exception(timeout=0), EngineClosed)
     assert isinstance(late.events.get(timeout=0), EngineClosed)

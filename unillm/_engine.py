@@ -11,9 +11,12 @@ from many threads (or asyncio tasks) never interleave inside the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import threading
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -95,6 +98,11 @@ class Request:
 RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
 # Sampling parameters the base class honours for every backend.
 _BASE_HANDLED = frozenset({"max_tokens", "stop"})
+# How long close() waits for another thread's step in progress before leaving the free to it.
+_CLOSE_WAIT_S = 30.0
+# Public methods a backend writes that touch the engine: the base class guards them (EngineClosed
+# on a closed engine, and close() never frees the engine under them), for plugins too.
+_GUARDED = ("tokenize", "detokenize", "kv_stats", "reset")
 
 
 class Engine(Generic[P]):
@@ -114,6 +122,13 @@ class Engine(Generic[P]):
     capabilities: ClassVar[Capabilities] = Capabilities()
     Options: ClassVar[type[BaseModel]] = NoOptions
     install_hint: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _GUARDED:
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_unillm_guarded", False):
+                setattr(cls, name, _guarded(fn))
 
     # ---- discovery (class level, cheap: never imports the engine) ----
 
@@ -143,8 +158,18 @@ class Engine(Generic[P]):
         self.options: P = self._validate_options(config.options_for(self.name))  # type: ignore[assignment]
         self.selection: Selection | None = None
         self._loaded = False
+        self._ever_loaded = False
         self._busy_lock = threading.Lock()
         self._busy_owner: int | None = None
+        # Lifetime (see close()): threads inside the engine right now, and the suspended streams
+        # whose clean-up must run before the engine is freed.
+        self._gate = threading.Lock()
+        self._inside = 0
+        self._freed = threading.Event()
+        self._freed.set()
+        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: The end-of-sequence ids this engine stops on (unillm._eos); set by the backend at load.
+        self.eos_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def _validate_options(cls, options: Mapping[str, Any]) -> BaseModel:
@@ -158,15 +183,61 @@ class Engine(Generic[P]):
     def load(self) -> Self:
         """Load the model (the heavy import happens here). Returns the engine, loaded."""
         if not self._loaded:
+            # a close() that waited out its bound frees the engine when the last thread leaves it
+            self._freed.wait()
             self._load()
-            self._loaded = True
+            self._freed.clear()
+            self._loaded = self._ever_loaded = True
         return self
 
     def close(self) -> None:
-        """Free the model and its memory. Safe to call twice."""
-        if self._loaded:
+        """Free the model and its memory. Safe to call twice, and from any thread.
+
+        Streams still open end with ``EngineClosed`` at their next step; none touches freed
+        memory. A one-at-a-time engine is freed once no thread is inside it (close() waits up to
+        ``_CLOSE_WAIT_S`` for a step in progress on another thread, else the last thread out frees
+        it); a batching engine's worker ends the requests in flight itself.
+        """
+        with self._gate:
+            if not self._loaded:
+                return
             self._loaded = False
-            self._close()
+            now = self._inside == 0 or self.capabilities.batching
+        if now:
+            self._free()
+        else:
+            self._freed.wait(_CLOSE_WAIT_S)
+
+    def _free(self) -> None:
+        """Run the suspended streams' clean-up, then release the engine (once)."""
+        with self._gate:
+            if self._freed.is_set():
+                return
+            self._freed.set()
+        if not self.capabilities.batching:
+            for raw in list(self._streams):
+                with contextlib.suppress(Exception):
+                    raw.close()
+        self._close()
+
+    def _enter(self) -> None:
+        """Count this thread inside the engine; EngineClosed when it is closed or not loaded."""
+        with self._gate:
+            if not self._loaded:
+                raise self._closed_error()
+            self._inside += 1
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._inside -= 1
+            last = self._inside == 0 and not self._loaded and not self._freed.is_set()
+        if last:
+            self._free()
+
+    def _closed_error(self) -> EngineClosed:
+        if self._freed.is_set() and not self._ever_loaded:
+            return EngineClosed(f"{self.name}: call load() (or use `with`) before using the engine")
+        return EngineClosed(f"{self.name}: the engine is closed; load() it again or open a new one")
 
     @property
     def loaded(self) -> bool:
@@ -244,6 +315,9 @@ class Engine(Generic[P]):
     def reset(self) -> None:
         """Empty the KV cache, so the next request evaluates its whole prompt. Default: no-op."""
 
+    #: The vocabulary size, once loaded (backends set it): ids outside it are refused at the edge.
+    vocab_size: int | None = None
+
     # ---- derived: what users call ----
 
     def stream(
@@ -254,13 +328,9 @@ class Engine(Generic[P]):
         The last chunk carries ``finish_reason``, ``usage`` and ``timings``. Breaking out of the
         loop stops generation at the next token and leaves the engine usable.
         """
-        if not self._loaded:
-            raise EngineClosed(f"{self.name}: call load() (or use `with`) before generating")
         sp = self._params(params, overrides)
-        if not isinstance(prompt, str) and not self.capabilities.token_prompts:
-            raise ConfigError(f"{self.name} takes text prompts only")
         t0 = perf_counter()
-        prepared = self._encode(prompt, sp)
+        prepared = self._prepare(prompt, sp)
         return self._drive(prepared, sp, t0)
 
     def generate(
@@ -273,18 +343,28 @@ class Engine(Generic[P]):
         """The prompt text ``messages`` become under the chat template (sandboxed Jinja)."""
         from unillm._chat import render_chat_template
 
-        template = self.config.chat_template or self._chat_template()
+        if isinstance(messages, (str, bytes, Mapping)) or not hasattr(messages, "__iter__"):
+            raise ConfigError(
+                f"chat() takes a list of messages, got {type(messages).__name__}; pass "
+                "[{'role': 'user', 'content': '...'}]"
+            )
+        msgs = [ChatMessage.coerce(m) for m in messages]
+        if not msgs:
+            raise ConfigError("chat() needs at least one message")
+        for m in msgs:
+            check_text(m.content, "chat content must be")
+        self._enter()
+        try:
+            template = self.config.chat_template or self._chat_template()
+            special = self._special_tokens()
+        finally:
+            self._leave()
         if template is None:
             raise ConfigError(
                 f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
                 "template) in the engine config, or use generate() with a plain prompt"
             )
-        msgs = [ChatMessage.coerce(m) for m in messages]
-        if not msgs:
-            raise ConfigError("chat() needs at least one message")
-        return render_chat_template(
-            template, msgs, add_generation_prompt=add_generation_prompt, **self._special_tokens()
-        )
+        return render_chat_template(template, msgs, add_generation_prompt=add_generation_prompt, **special)
 
     def stream_chat(
         self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
@@ -309,13 +389,9 @@ class Engine(Generic[P]):
         runs its sync ``stream`` on a thread of its own.
         """
         if self._native_async():
-            if not self._loaded:
-                raise EngineClosed(f"{self.name}: call load() (or use `with`) before generating")
             sp = self._params(params, overrides)
-            if not isinstance(prompt, str) and not self.capabilities.token_prompts:
-                raise ConfigError(f"{self.name} takes text prompts only")
             t0 = perf_counter()
-            async for chunk in self._adrive(self._encode(prompt, sp), sp, t0):
+            async for chunk in self._adrive(self._prepare(prompt, sp), sp, t0):
                 yield chunk
             return
         gen = await asyncio.to_thread(self.stream, prompt, params, **overrides)
@@ -358,6 +434,14 @@ class Engine(Generic[P]):
             sp = SamplingParams(**{**params, **overrides})
         else:
             raise ConfigError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        vocab = self.vocab_size
+        if vocab is not None:
+            bad = [t for t in (*sp.stop_token_ids, *(sp.logit_bias or ())) if t >= vocab]
+            if bad:
+                raise ConfigError(
+                    f"token ids {sorted(set(bad))[:5]} in stop_token_ids/logit_bias are outside "
+                    f"the vocabulary of {self.config.model!r} (0..{vocab - 1})"
+                )
         supported = self.capabilities.sampling
         unsupported = [n for n in sp.non_default() if n not in supported and n not in _BASE_HANDLED]
         if not unsupported:
@@ -392,17 +476,48 @@ class Engine(Generic[P]):
             finally:
                 self._busy_owner = None
 
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> Any:
+        """Check the prompt's type and encode it (inside the gate: encoding uses the engine)."""
+        if isinstance(prompt, str):
+            check_text(prompt)
+        elif not self.capabilities.token_prompts:
+            raise ConfigError(f"{self.name} takes text prompts only, got {type(prompt).__name__}")
+        else:
+            prompt = check_token_ids(prompt, self.vocab_size)
+        self._enter()
+        try:
+            return self._encode(prompt, params)
+        finally:
+            self._leave()
+
     def _drive(self, prepared: Any, params: SamplingParams, t0: float) -> Iterator[Chunk]:
         # The per-token path: keep it to a few attribute loads and one Chunk per step. t0 is the
-        # call to stream(): TTFT includes tokenizing and any wait for a busy engine.
+        # call to stream(): TTFT includes tokenizing and any wait for a busy engine. Each step of
+        # a one-at-a-time engine runs inside the lifetime gate, so close() from any thread never
+        # frees the engine under it; a batching engine's worker does that job itself.
         with self._busy():
             req = Request()
             run = _Run(params)
             step = run.step
+            gated = not self.capabilities.batching
+            enter, leave = self._enter, self._leave
             raw = self._stream(prepared, params, req)
+            self._streams.add(raw)
             try:
-                for text, ids, lp in raw:
-                    chunk = step(text, ids, lp)
+                while True:
+                    if gated:
+                        enter()
+                        try:
+                            piece = next(raw, None)
+                        finally:
+                            leave()
+                    elif not self._loaded:
+                        raise self._closed_error()
+                    else:
+                        piece = next(raw, None)
+                    if piece is None:
+                        break
+                    chunk = step(*piece)
                     if chunk is None:
                         break
                     yield chunk
@@ -411,10 +526,27 @@ class Engine(Generic[P]):
             except Exception as exc:
                 raise GenerationError(f"{self.name} failed while generating: {exc}") from exc
             finally:
-                close = getattr(raw, "close", None)  # a generator; a plain iterator has nothing to close
-                if close is not None:
-                    close()
+                self._streams.discard(raw)
+                self._close_raw(raw, gated)
             yield run.last(req, t0)
+
+    def _close_raw(self, raw: Any, gated: bool) -> None:
+        """Close a backend's raw stream (its clean-up may use the engine) unless the engine was
+        freed already, in which case close() ran that clean-up before freeing it."""
+        close = getattr(raw, "close", None)  # a generator; a plain iterator has nothing to close
+        if close is None:
+            return
+        if not gated:
+            close()
+            return
+        with self._gate:
+            if self._freed.is_set():
+                return
+            self._inside += 1
+        try:
+            close()
+        finally:
+            self._leave()
 
     async def _adrive(self, prepared: Any, params: SamplingParams, t0: float) -> AsyncIterator[Chunk]:
         """``_drive`` for a backend with a native ``_astream`` (batching engines only)."""
@@ -424,6 +556,8 @@ class Engine(Generic[P]):
         raw = self._astream(prepared, params, req)
         try:
             async for text, ids, lp in raw:
+                if not self._loaded:
+                    raise self._closed_error()
                 chunk = step(text, ids, lp)
                 if chunk is None:
                     break
@@ -589,3 +723,65 @@ class _Raised:
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a public method a backend writes) behind the engine's lifetime gate, its
+    arguments checked the way every backend needs: text must be text, ids ids of the vocabulary."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def guarded(self: Engine[Any], *args: Any, **kwargs: Any) -> Any:
+        if name == "tokenize" and args:
+            check_text(args[0], "tokenize() takes")
+        elif name == "detokenize" and args:
+            args = (check_token_ids(args[0], self.vocab_size), *args[1:])
+        self._enter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._leave()
+
+    guarded._unillm_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+for _name in _GUARDED:
+    setattr(Engine, _name, _guarded(getattr(Engine, _name)))
+
+
+def check_text(text: Any, what: str = "the prompt is") -> str:
+    """``text`` as a str that encodes (no lone surrogates); ConfigError otherwise."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"the text holds a lone surrogate {text[exc.start]!r} at position {exc.start}, which is "
+            "not valid Unicode; decode your input with errors='replace' (or fix its source)"
+        ) from None
+    return text
+
+
+def check_token_ids(ids: Any, vocab: int | None) -> list[int]:
+    """``ids`` as a list of ints inside the vocabulary (when known); ConfigError otherwise.
+
+    Floats, booleans, strings and bytes are refused rather than coerced: ``int(2.7)`` would
+    silently pick another token, and bytes iterate as numbers.
+    """
+    if isinstance(ids, (str, bytes, bytearray, memoryview, Mapping)) or not hasattr(ids, "__iter__"):
+        raise ConfigError(
+            f"token ids must be a sequence of ints, got {type(ids).__name__}; pass text as a str"
+        )
+    out: list[int] = []
+    for t in ids:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise ConfigError(f"token ids must be ints, got {t!r} ({type(t).__name__})")
+        out.append(t.__index__())
+    if vocab is not None:
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+    return out
+

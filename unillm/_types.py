@@ -48,6 +48,9 @@ class _Validated(BaseModel):
             raise ConfigError.from_validation(exc, type(self).__name__) from exc
 
 
+_FLAGS = frozenset({"ignore_eos"})
+
+
 class SamplingParams(_Validated):
     """How to sample one completion. Defaults mean "off"; a backend refuses what it cannot do.
 
@@ -75,11 +78,54 @@ class SamplingParams(_Validated):
     logit_bias: dict[int, float] | None = Field(default=None, description="Token id -> added logit.")
     response_format: dict[str, Any] | None = Field(default=None, description="JSON schema to follow.")
 
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: Any) -> Any:
+        # pydantic takes True for 1 and 2.0 for 2; a flag given where a number is meant is a
+        # mistake, never "one token"
+        if isinstance(value, bool) and info.field_name not in _FLAGS:
+            raise ValueError(f"a boolean is not a number; give {info.field_name} a number")
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop_string(cls, value: Any) -> Any:
         if isinstance(value, str):
             return (value,)
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_are_ints(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and any(isinstance(t, (bool, float)) for t in value):
+            raise ValueError("token ids must be ints")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_not_negative(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(t < 0 for t in value):
+            raise ValueError(f"token ids must not be negative, got {[t for t in value if t < 0][:5]}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys_are_ids(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if isinstance(k, (bool, float)) or (isinstance(k, str) and not k.strip().isdigit()):
+                    raise ValueError(f"logit_bias keys are token ids (ints >= 0), got {k!r}")
+                if isinstance(v, bool):
+                    raise ValueError(f"logit_bias values are numbers, got {v!r}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids_not_negative(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(k < 0 for k in value):
+            raise ValueError("logit_bias keys are token ids and must not be negative")
         return value
 
     @field_validator("stop")

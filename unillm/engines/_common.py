@@ -16,7 +16,15 @@ from typing import Any, Protocol
 from unillm._errors import ConfigError, ContextLengthExceeded
 from unillm._types import Availability
 
-__all__ = ["check_prompt", "gpu_present", "gpu_probe", "installed", "shared_prefix", "token_ids"]
+__all__ = [
+    "available_ram_bytes",
+    "check_prompt",
+    "gpu_present",
+    "gpu_probe",
+    "installed",
+    "shared_prefix",
+    "token_ids",
+]
 
 
 class _Tokens(Protocol):
@@ -91,3 +99,17 @@ def gpu_probe() -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return out.returncode == 0 and "GPU" in out.stdout
+
+
+def available_ram_bytes() -> int | None:
+    """RAM this process can still take now (a cgroup's limit counted), None when unknown."""
+    if Path("/proc/meminfo").exists():
+        from unillm._hardware import _linux_memory
+
+        info: dict[str, Any] = {}
+        _linux_memory(info, [])
+        return info.get("ram_available_bytes")
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

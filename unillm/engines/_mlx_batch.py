@@ -7,12 +7,43 @@ stops early (a broken stream, a cancelled task) has its sequence removed at the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from unillm.engines._worker import Live, StepWorker
 
 __all__ = ["Batcher", "Live"]
+
+
+class _ThreadPool:
+    """Daemon threads that run one job after another and wait, idle, for the next. Unlike
+    ``ThreadPoolExecutor``'s, they are never joined at exit: a thread that ends while the
+    interpreter shuts down takes MLX's stream with it and aborts the process."""
+
+    def __init__(self) -> None:
+        self._idle: queue.SimpleQueue[queue.SimpleQueue[Callable[[], None]]] = queue.SimpleQueue()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        try:
+            inbox = self._idle.get_nowait()
+        except queue.Empty:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(inbox,), name="unillm-mlx-worker", daemon=True).start()
+        inbox.put(job)
+
+    def _work(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            job = inbox.get()
+            try:
+                job()
+            finally:
+                self._idle.put(inbox)
+
+
+# One thread per engine open at the same time, reused by the engines that come after.
+_POOL = _ThreadPool()
 
 
 class Batcher(StepWorker):
@@ -47,6 +78,12 @@ class Batcher(StepWorker):
         self._stop_at_eos = StopSequences([[e] for e in eos_ids])
         self._no_stop = StopSequences(None)
         self._start()
+
+    def _start(self) -> None:
+        # mlx-lm generates on a thread-local stream, and MLX never frees a thread's stream (nor
+        # the native threads behind it) when the thread ends: a new worker thread per engine
+        # leaked two native threads per load/close cycle. Workers reuse pooled threads instead.
+        _POOL.submit(self._serve)
 
     def submit_prompt(
         self,

@@ -51,10 +51,19 @@ class StepWorker:
         self._wake = threading.Event()
         self._live: dict[int, Live] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._ident: int | None = None  # the worker thread, once it runs
+        self._finished = threading.Event()
 
     def _start(self) -> None:
-        self._thread.start()
+        """Run the worker loop on a thread of its own (a subclass may reuse a pooled thread)."""
+        threading.Thread(target=self._serve, name=self.thread_name, daemon=True).start()
+
+    def _serve(self) -> None:
+        self._ident = threading.get_ident()
+        try:
+            self._run()
+        finally:
+            self._finished.set()
 
     # ---- what a subclass implements (called on the worker thread) ----
 
@@ -96,7 +105,7 @@ class StepWorker:
         """Run ``fn`` on the worker thread before its next step and return what it returns (or
         raise what it raises). It waits for at most the step in progress, however busy the engine
         is. Raises ``EngineClosed`` once the worker has stopped."""
-        if threading.current_thread() is self._thread:
+        if threading.get_ident() == self._ident:
             return fn()
         if self._closed:
             raise EngineClosed("the engine is closed")
@@ -104,9 +113,17 @@ class StepWorker:
         self._inbox.put(("call", (fn, done)))
         self._wake.set()
         while not wait_futures([done], timeout=0.5).done:
-            if not self._thread.is_alive() and not done.done():
+            if self._finished.is_set() and not done.done():
                 raise EngineClosed("the engine was closed before it could answer")
         return done.result()
+
+    @property
+    def stopped(self) -> bool:
+        """The worker loop has ended (after close)."""
+        return self._finished.is_set()
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self._finished.wait(timeout)
 
     @property
     def active(self) -> int:
@@ -116,7 +133,8 @@ class StepWorker:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        if threading.get_ident() != self._ident:
+            self._finished.wait(timeout=30)
 
     # ---- the worker thread ----
 

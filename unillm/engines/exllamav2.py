@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from unillm._engine import Engine, Request
+from unillm._eos import eos_from_hf_dir
 from unillm._errors import (
     BackendUnavailable,
     ConfigError,
@@ -33,6 +34,7 @@ from unillm._errors import (
     UnillmError,
 )
 from unillm._inspect import detect_format
+from unillm._model_path import hf_dir_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
 from unillm.engines._common import check_prompt, gpu_present, installed, token_ids
 from unillm.engines._exllamav2_jobs import JobRunner
@@ -241,8 +243,10 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         self._proto = tokenizer.single_token(0)
         self._n_ctx = n_ctx
         self._draft_tokens = draft_tokens
-        gen_eos = (getattr(config, "generation_config", None) or {}).get("eos_token_id") or []
-        self._eos = tuple(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *gen_eos] if t is not None))
+        self.vocab_size = tokenizer.get_vocab_size()
+        # the model's declared end-of-sequence set (unillm._eos), the same on every backend
+        self.eos_token_ids = eos_from_hf_dir(path, to_id=tokenizer.single_id, vocab_size=self.vocab_size)
+        self._eos = tuple(sorted(self.eos_token_ids))
         tok_cfg = tokenizer.tokenizer_config_dict or {}
         self._add_bos = bool(tok_cfg.get("add_bos_token", False))
         self._template = _template(tok_cfg, path)
@@ -319,9 +323,9 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                     req.cached_tokens = r.get("cached_tokens")
                     req.prefill_s = r.get("time_prefill")
                     req.decode_s = r.get("time_generate")
-                    with self._stats_lock:
-                        self._queries += 1
-                        self._hits += bool(req.cached_tokens)
+                    with self._stats_lock:  # prompt tokens looked up, and those the cache held
+                        self._queries += req.prompt_tokens
+                        self._hits += req.cached_tokens or 0
                 if text or out:
                     yield text, out, None
                 if finished:
@@ -430,8 +434,12 @@ def _gpu_present() -> bool:
 
 def _checked_dir(model: str, what: str) -> Path:
     """An EXL2 or HF model directory with what exllamav2 needs, checked before any heavy work."""
-    fmt = detect_format(model)  # ModelNotFound, ModelFormatError
     path = Path(model).expanduser()
+    hf = hf_dir_in(path)  # a directory holding the model's formats side by side: its HF one
+    if hf is not None:
+        path = hf
+        model = str(hf)
+    fmt = detect_format(model)  # ModelNotFound, ModelFormatError
     if path.is_file():
         raise ModelFormatError(
             f"{model!r} is a file; ExLlamaV2 reads model directories (EXL2 or FP16/BF16 safetensors "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from unillm._engine import Engine, Request
+from unillm._eos import eos_from_gguf_metadata
 from unillm._errors import (
     BackendUnavailable,
     ConfigError,
@@ -28,8 +29,9 @@ from unillm._errors import (
     OutOfMemory,
 )
 from unillm._inspect import GGUFHeader, read_gguf_header
+from unillm._model_path import gguf_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, installed, shared_prefix, token_ids
+from unillm.engines._common import available_ram_bytes, check_prompt, installed, shared_prefix
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -83,6 +85,14 @@ class LlamaCppOptions(BaseModel):
     use_mlock: bool = Field(default=False, description="Lock the weights in RAM.")
     seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
     verbose: bool = Field(default=False, description="Let llama.cpp print its logs to stderr.")
+    allow_longer_context: bool = Field(
+        default=False,
+        description="Allow a context longer than the model was trained for (for RoPE-scaled models).",
+    )
+    skip_memory_check: bool = Field(
+        default=False,
+        description="Load even when the weights and KV cache look larger than the free RAM.",
+    )
 
 
 class LlamaCppEngine(Engine[LlamaCppOptions]):
@@ -115,7 +125,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
     def _load(self) -> None:
         opts = self.options
-        header = _checked_header(self.config.model)
+        self._path = gguf_in(self.config.model) or Path(self.config.model)
+        header = _checked_header(self._path)
         avail = self.available()
         if not avail.available:
             raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
@@ -140,7 +151,15 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         gpu_layers = opts.n_gpu_layers
         if gpu_layers is None or gpu_layers == "auto":
             gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
-        kv_type, _ = _KV_TYPES[opts.kv_cache_type]
+        kv_type, kv_bytes = _KV_TYPES[opts.kv_cache_type]
+        if gpu_layers == 0 and not opts.skip_memory_check:
+            _check_fits(header, n_ctx, kv_bytes, self.config.model)
+        if isinstance(trained, int) and 0 < trained < n_ctx and not opts.allow_longer_context:
+            raise ConfigError(
+                f"context {n_ctx} is longer than the {trained} tokens {self.config.model!r} was "
+                "trained for, and past that its output degrades; use a context of at most "
+                f"{trained}, or set allow_longer_context=True if the model extends it (RoPE scaling)"
+            )
         kwargs: dict[str, Any] = {
             "n_ctx": n_ctx,
             "n_gpu_layers": gpu_layers,
@@ -164,7 +183,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
         with _LlamaLog(llama_cpp) as log:
             try:
-                llm = llama_cpp.Llama(model_path=str(self.config.model), **kwargs)
+                llm = llama_cpp.Llama(model_path=str(self._path), **kwargs)
             except (ValueError, RuntimeError, OSError) as exc:
                 raise _load_error(exc, log.text(), header, self.config.model) from exc
         self._llm: Llama = llm
@@ -174,16 +193,20 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
         # by the requested n_ctx: the usable context is the smaller of the two.
         self._n_ctx = min(llm.n_ctx(), len(llm.input_ids))
-        self._eos = llm.token_eos()
+        self.vocab_size = self._n_vocab
+        self.eos_token_ids = eos_from_gguf_metadata(
+            header.metadata,
+            to_id=self._one_token,
+            vocab_size=self._n_vocab,
+        )
         self._bos_text = (
             llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
             if llm.token_bos() >= 0
             else ""
         )
-        self._is_eog = llama_cpp.llama_vocab_is_eog
         self._perf = llama_cpp.llama_perf_context
         self._perf_reset = llama_cpp.llama_perf_context_reset
-        self._pieces: dict[int, tuple[bytes, bool]] = {}  # token -> (its bytes, ends generation)
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes
         self._queries = 0
         self._hits = 0
         self._kv_dtype = opts.kv_cache_type
@@ -197,7 +220,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             add_special = not (self._bos_text and prompt.startswith(self._bos_text))
             ids = llm.tokenize(prompt.encode("utf-8"), add_bos=add_special, special=True)
         else:
-            ids = token_ids(prompt, self._n_vocab)
+            ids = list(prompt)  # the base class checked the ids against the vocabulary
         check_prompt(ids, self._n_ctx, params.max_tokens)
         return ids
 
@@ -215,8 +238,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             cached = 0
         llm.n_tokens = cached
         req.cached_tokens = cached
-        self._queries += 1
-        self._hits += cached > 0
+        self._queries += n_prompt
+        self._hits += cached
 
         sampler = self._sampler(params)
         perf_reset, perf = self._perf_reset, self._perf
@@ -234,9 +257,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         decode = decoder.decode
         pieces = self._pieces
-        vocab, is_eog = self._vocab, self._is_eog
-        stop_ids = frozenset(params.stop_token_ids)
-        ignore_eos = params.ignore_eos
+        # the model's declared end-of-sequence set, never llama.cpp's guess by token name
+        stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         want_lp = params.logprobs is not None
         max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
         n = 0
@@ -246,13 +268,12 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 if prefill_ms < 0:
                     p = perf(ctx.ctx)
                     prefill_ms = p.t_p_eval_ms + p.t_eval_ms
-                known = pieces.get(tok)
-                if known is None:  # first sight of this token: ask llama.cpp once, then remember
-                    known = pieces[tok] = (llm.detokenize([tok]), is_eog(vocab, tok))
-                piece, eog = known
-                if (eog and not ignore_eos) or tok in stop_ids:
+                if tok in stop_ids:
                     req.finish_reason = "stop"
                     return
+                piece = pieces.get(tok)
+                if piece is None:  # first sight of this token: ask llama.cpp once, then remember
+                    piece = pieces[tok] = llm.detokenize([tok])
                 n += 1
                 yield decode(piece), (tok,), (self._logprob(tok),) if want_lp else None
                 if n >= max_tokens:
@@ -330,6 +351,10 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         top = float(logits.max())
         return float(logits[tok] - top - np.log(np.exp(logits - top).sum()))
 
+    def _one_token(self, text: str) -> int | None:
+        ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        return ids[0] if len(ids) == 1 else None
+
     # ---- chat and tokenizer ----
 
     def _chat_template(self) -> str | None:
@@ -353,21 +378,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     # ---- kv_stats ----
 
     def kv_stats(self) -> KVStats:
-        h = self._header
-        layers = h.arch_value("block_count")
-        heads = h.arch_value("attention.head_count")
-        kv_heads = h.arch_value("attention.head_count_kv") or heads
-        embd = h.arch_value("embedding_length")
-        k_len = h.arch_value("attention.key_length") or (embd // heads if embd and heads else None)
-        v_len = h.arch_value("attention.value_length") or k_len
-        bpt = None
-        if (
-            isinstance(layers, int)
-            and isinstance(kv_heads, int)
-            and isinstance(k_len, int)
-            and isinstance(v_len, int)
-        ):
-            bpt = round(layers * kv_heads * (k_len + v_len) * _KV_TYPES[self._kv_dtype][1])
+        bpt = _kv_bytes_per_token(self._header, _KV_TYPES[self._kv_dtype][1])
         used = self._llm.n_tokens
         return KVStats(
             capacity_tokens=self._n_ctx,
@@ -397,15 +408,50 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 # ---- error map ----
 
 
-def _checked_header(model: str) -> GGUFHeader:
-    path = Path(model)
+def _checked_header(path: Path) -> GGUFHeader:
     header = read_gguf_header(path)  # ModelNotFound / ModelFormatError
     if header.truncated:
         raise ModelFormatError(
-            f"{model!r} is truncated: its tensors end at byte {header.data_end} but the file has "
+            f"{str(path)!r} is truncated: its tensors end at byte {header.data_end} but the file has "
             f"{header.file_size} bytes. Download or convert it again."
         )
     return header
+
+
+def _kv_bytes_per_token(h: GGUFHeader, bytes_per_element: float) -> int | None:
+    """K and V bytes per token over all layers, from the GGUF's attention shape."""
+    layers = h.arch_value("block_count")
+    heads = h.arch_value("attention.head_count")
+    kv_heads = h.arch_value("attention.head_count_kv") or heads
+    embd = h.arch_value("embedding_length")
+    k_len = h.arch_value("attention.key_length") or (
+        embd // heads if isinstance(embd, int) and isinstance(heads, int) and heads else None
+    )
+    v_len = h.arch_value("attention.value_length") or k_len
+    if not all(isinstance(v, int) for v in (layers, kv_heads, k_len, v_len)):
+        return None
+    return round(layers * kv_heads * (k_len + v_len) * bytes_per_element)
+
+
+def _check_fits(h: GGUFHeader, n_ctx: int, bytes_per_element: float, model: str) -> None:
+    """Refuse a CPU load whose weights and KV cache cannot fit in the free RAM, before llama.cpp
+    allocates (it would grow the process until the machine swaps or kills it)."""
+    bpt = _kv_bytes_per_token(h, bytes_per_element)
+    free = available_ram_bytes()
+    if bpt is None or not free:
+        return
+    kv = bpt * n_ctx
+    need = kv + (h.tensor_bytes or 0)
+    if need <= free:
+        return
+    gib = 1 << 30
+    fit = max(0, (free - (h.tensor_bytes or 0)) // bpt)
+    raise OutOfMemory(
+        f"{model!r} at a context of {n_ctx} needs {need / gib:.1f} GiB ({kv / gib:.1f} GiB of KV "
+        f"cache at {bpt} bytes/token, {(h.tensor_bytes or 0) / gib:.1f} GiB of weights) but "
+        f"{free / gib:.1f} GiB of RAM is free; use a context of at most {fit} tokens, "
+        "kv_cache_type='q8_0', or skip_memory_check=True to try anyway"
+    )
 
 
 def _load_error(exc: Exception, log: str, header: GGUFHeader, model: str) -> Exception:

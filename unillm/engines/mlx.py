@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from unillm._engine import Engine, Request
+from unillm._eos import eos_from_hf_dir
 from unillm._errors import (
     BackendUnavailable,
     ModelFormatError,
@@ -26,8 +27,9 @@ from unillm._errors import (
     ModelNotFound,
     OutOfMemory,
 )
+from unillm._model_path import hf_dir_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams
-from unillm.engines._common import check_prompt, installed, shared_prefix, token_ids
+from unillm.engines._common import check_prompt, installed, shared_prefix
 from unillm.engines._mlx_batch import Batcher
 
 if TYPE_CHECKING:
@@ -138,7 +140,11 @@ class MLXEngine(Engine[MLXOptions]):
         trained = config.get("max_position_embeddings") or config.get("max_seq_len")
         limit = trained if isinstance(trained, int) and trained > 0 else _DEFAULT_CONTEXT
         self._n_ctx = min(self.config.context_length or limit, limit)
-        self._eos = frozenset(tokenizer.eos_token_ids)
+        self.vocab_size = config.get("vocab_size") or len(tokenizer)
+        # the model's declared end-of-sequence set (unillm._eos), the same on every backend
+        self.eos_token_ids = eos_from_hf_dir(path, to_id=self._one_token, vocab_size=self.vocab_size)
+        self._eos = self.eos_token_ids
+        tokenizer.eos_token_ids = set(self._eos)
         self._cache: list[Any] | None = None
         self._cache_tokens: list[int] = []
         self._queries = 0
@@ -165,7 +171,7 @@ class MLXEngine(Engine[MLXOptions]):
             bos = tok.bos_token
             ids = list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
         else:
-            ids = token_ids(prompt, self._config.get("vocab_size") or len(tok))
+            ids = list(prompt)  # the base class checked the ids against the vocabulary
         # a rotating cache (max_kv_size) takes any prompt length
         check_prompt(ids, self._n_ctx if self.options.max_kv_size is None else None, params.max_tokens)
         return ids
@@ -184,8 +190,8 @@ class MLXEngine(Engine[MLXOptions]):
         req.prompt_tokens = len(ids)
         cached = self._reuse_prefix(ids)
         req.cached_tokens = cached
-        self._queries += 1
-        self._hits += cached > 0
+        self._queries += len(ids)
+        self._hits += cached
         seen = self._cache_tokens = list(ids[:cached])
 
         max_tokens = params.max_tokens
@@ -248,8 +254,8 @@ class MLXEngine(Engine[MLXOptions]):
         req.prompt_tokens = len(ids)
         cache, cached = self._take_saved(ids)
         req.cached_tokens = cached
-        self._queries += 1
-        self._hits += cached > 0
+        self._queries += len(ids)
+        self._hits += cached
         max_tokens = params.max_tokens
         if self.options.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
@@ -405,6 +411,10 @@ class MLXEngine(Engine[MLXOptions]):
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def _one_token(self, text: str) -> int | None:
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return int(ids[0]) if len(ids) == 1 else None
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
@@ -470,6 +480,9 @@ def _resolve(model: str) -> Path:
     """A local directory, or an HF repo id found in the local HF cache (never downloaded)."""
     path = Path(model).expanduser()
     if path.exists():
+        hf = hf_dir_in(path)  # a directory holding the model's formats side by side: its HF one
+        if hf is not None:
+            return hf
         if path.is_file():
             raise ModelFormatError(
                 f"{model!r} is a file; MLX reads Hugging Face-style model directories "
