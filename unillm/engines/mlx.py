@@ -351,6 +351,22 @@ class MLXEngine(Engine[MLXOptions]):
     def _sampler(self, params: SamplingParams) -> Any:
         """mlx-lm's sampling chain; a seeded request draws from its own key, so its tokens do not
         depend on what else runs in the batch."""
+        sampler = self._chain(params)
+        if not params.logit_bias:
+            return sampler
+        # The bias applies where tokens are drawn, not as a logits processor: mlx-lm reports the
+        # logprobs its processors return, and a logprob means the model's own distribution on
+        # every backend (llama.cpp's and vLLM's are taken before the bias too).
+        mx = self._mx
+        idx = mx.array([int(k) for k in params.logit_bias])
+        val = mx.array([float(v) for v in params.logit_bias.values()])
+
+        def biased(logprobs: Any) -> Any:
+            return sampler(logprobs.at[..., idx].add(val))
+
+        return biased
+
+    def _chain(self, params: SamplingParams) -> Any:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
         temp = params.temperature
@@ -384,12 +400,9 @@ class MLXEngine(Engine[MLXOptions]):
         from mlx_lm.sample_utils import make_logits_processors
 
         penalties = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-        if not (params.logit_bias or penalties):
+        if not penalties:
             return None
         return make_logits_processors(
-            logit_bias={int(k): float(v) for k, v in params.logit_bias.items()}
-            if params.logit_bias
-            else None,
             repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
             repetition_context_size=64,
             presence_penalty=params.presence_penalty or None,

@@ -4,6 +4,8 @@
 - ``build_tiny_model`` / ``tiny_model``: tiny random-weight Llama models (HF dir + GGUF) built
   here, so real engines can be tested offline.
 - ``check_engine``: the conformance checks every backend must pass.
+- ``check_parity``: greedy tokens, finish reasons and counts equal across engines on the same
+  weights, with near-ties told apart from bugs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ _LAZY = {
     "MockEngine": "unillm.testing._mock",
     "WordVocab": "unillm.testing._mock",
     "check_engine": "unillm.testing._conformance",
+    "check_parity": "unillm.testing._parity",
+    "ParityReport": "unillm.testing._parity",
     "build_tiny_model": "unillm.testing._tiny",
     "tiny_model": "unillm.testing._tiny",
     "TinyModel": "unillm.testing._tiny",
@@ -23,11 +27,13 @@ _LAZY = {
 }
 __all__ = [
     "MockEngine",
+    "ParityReport",
     "SIZES",
     "TinyModel",
     "TinySpec",
     "build_tiny_model",
     "check_engine",
+    "check_parity",
     "tiny_model",
     "WordVocab",
 ]
@@ -36,6 +42,7 @@ __all__ = [
 if TYPE_CHECKING:
     from unillm.testing._conformance import check_engine
     from unillm.testing._mock import MockEngine, WordVocab
+    from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model
 
 

@@ -109,12 +109,21 @@ def tiny_model(size: Literal["small", "bench"] = "small", cache_dir: str | Path 
 
 
 def build_tiny_model(
-    directory: str | Path, size: Literal["small", "bench"] | TinySpec = "small", *, force: bool = False
+    directory: str | Path,
+    size: Literal["small", "bench"] | TinySpec = "small",
+    *,
+    force: bool = False,
+    eos: tuple[str, ...] = (EOS,),
 ) -> TinyModel:
     """Write the tiny model of ``size`` under ``directory`` (HF dir + GGUF), deterministically.
 
-    An existing build of the same spec is reused unless ``force``.
+    ``eos`` are the end-of-sequence tokens the model declares (special tokens of its vocabulary):
+    the HF files list all of them (``generation_config.json``'s ``eos_token_id`` list), the GGUF
+    the first as its EOS, the second as its EOT and the third as its EOM, so a test can check that
+    every engine stops on each. An existing build of the same spec is reused unless ``force``.
     """
+    if not eos or len(eos) > 3 or any(t not in SPECIAL_TOKENS for t in eos):
+        raise ValueError(f"eos takes one to three of {SPECIAL_TOKENS}, got {eos!r}")
     spec = SIZES[size] if isinstance(size, str) else size
     name = size if isinstance(size, str) else "custom"
     root = Path(directory)
@@ -122,15 +131,15 @@ def build_tiny_model(
     gguf_path = root / f"tiny-{name}-f32.gguf"
     model = TinyModel(root, hf_dir, gguf_path, spec)
     stamp = root / ".unillm-tiny.json"
-    want = json.dumps({"builder": BUILDER_VERSION, "spec": asdict(spec)}, sort_keys=True)
+    want = json.dumps({"builder": BUILDER_VERSION, "spec": asdict(spec), "eos": list(eos)}, sort_keys=True)
     if not force and stamp.is_file() and stamp.read_text() == want and gguf_path.is_file():
         return model
 
     hf_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_json = _train_tokenizer(spec.vocab_size)
     tensors = _weights(spec)
-    _write_hf(hf_dir, spec, tensors, tokenizer_json)
-    _write_gguf(gguf_path, spec, tensors, tokenizer_json, name)
+    _write_hf(hf_dir, spec, tensors, tokenizer_json, eos)
+    _write_gguf(gguf_path, spec, tensors, tokenizer_json, name, eos=eos)
     stamp.write_text(want)
     return model
 
@@ -189,11 +198,14 @@ def _weights(spec: TinySpec) -> dict[str, Any]:
     return t
 
 
-def _write_hf(hf_dir: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_json: str) -> None:
+def _write_hf(
+    hf_dir: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_json: str, eos: tuple[str, ...] = (EOS,)
+) -> None:
     from safetensors.numpy import save_file
 
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
-    bos_id, eos_id = vocab[BOS], vocab[EOS]
+    bos_id, eos_id = vocab[BOS], vocab[eos[0]]
+    eos_ids: int | list[int] = eos_id if len(eos) == 1 else [vocab[t] for t in eos]
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -212,13 +224,13 @@ def _write_hf(hf_dir: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_j
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
+        "eos_token_id": eos_ids,
         "torch_dtype": "float32",
     }
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
-        "eos_token": EOS,
+        "eos_token": eos[0],
         "pad_token": BOS,
         "add_bos_token": False,
         "add_eos_token": False,
@@ -226,10 +238,10 @@ def _write_hf(hf_dir: Path, spec: TinySpec, tensors: dict[str, Any], tokenizer_j
         "model_max_length": spec.max_position_embeddings,
         "chat_template": CHAT_TEMPLATE,
     }
-    generation_config = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    generation_config = {"bos_token_id": bos_id, "eos_token_id": eos_ids}
     _write_json(hf_dir / "config.json", config)
     _write_json(hf_dir / "tokenizer_config.json", tokenizer_config)
-    _write_json(hf_dir / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": BOS})
+    _write_json(hf_dir / "special_tokens_map.json", {"bos_token": BOS, "eos_token": eos[0], "pad_token": BOS})
     _write_json(hf_dir / "generation_config.json", generation_config)
     (hf_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -249,6 +261,7 @@ def _write_gguf(
     *,
     chat_template: str | None = CHAT_TEMPLATE,
     arch: str = "llama",
+    eos: tuple[str, ...] = (EOS,),
 ) -> None:
     """Write the GGUF. ``chat_template`` and ``arch`` are overridable so tests can plant a hostile
     template or an architecture llama.cpp does not know."""
@@ -289,7 +302,11 @@ def _write_gguf(
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_bos_token_id(vocab[BOS])
-    w.add_eos_token_id(vocab[EOS])
+    w.add_eos_token_id(vocab[eos[0]])
+    if len(eos) > 1:
+        w.add_eot_token_id(vocab[eos[1]])
+    if len(eos) > 2:
+        w.add_eom_token_id(vocab[eos[2]])
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
     if chat_template is not None:
