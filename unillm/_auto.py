@@ -26,6 +26,7 @@ from unillm._errors import (
 )
 from unillm._hardware import Hardware, detect_hardware
 from unillm._inspect import ModelInfo, inspect_model
+from unillm._model_path import model_formats
 from unillm._plan import Plan, Workload, plan
 from unillm._plugins import Registry, default_registry, normalize_name
 from unillm._select import Candidate, Selection, select
@@ -42,20 +43,29 @@ def auto_engine(
     *,
     backend: str | None = None,
     context_length: int | None = None,
+    concurrency: int | None = None,
+    goal: str | None = None,
     options: Mapping[str, Any] | None = None,
     registry: Registry | None = None,
     **config: Any,
 ) -> Engine[Any]:
     """Open ``model`` with the most suitable installed backend and return it loaded.
 
-    ``backend`` forces a backend; ``options`` are its load options; other keywords are
-    ``EngineConfig`` fields. ``UNILLM_*`` environment variables override all of these. The
-    returned engine's ``selection.explain()`` says what was chosen and why.
+    ``backend`` forces a backend; ``concurrency`` (requests at once) and ``goal`` (``latency``,
+    ``throughput``, ``cost``, ``portability``) describe the workload the selector chooses for;
+    ``options`` are the backend's load options; other keywords are ``EngineConfig`` fields.
+    ``UNILLM_*`` environment variables override all of these. The returned engine's
+    ``selection.explain()`` says what was chosen, for which workload, and why.
+
+    ``model`` is a GGUF file, an HF model directory, or a directory holding both side by side
+    (each backend reads the one it can).
     """
     cfg = read_config(
         {"model": os.fspath(model)},
         backend=backend,
         context_length=context_length,
+        concurrency=concurrency,
+        goal=goal,
         options=dict(options) if options else None,
         **config,
     )
@@ -107,10 +117,29 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
             warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
             selection.steps.append(note)
     else:
-        model = inspect_model(cfg.model)
-        workload = _workload(cfg, model)
-        the_plan = _plan(model, hardware, workload)
-        selection = select(hardware, model, workload, backends, available=available, plan=the_plan)
+        # One selection per format the model is held in (a directory may hold an HF directory and
+        # a GGUF of the same weights): each backend is ranked on the format it reads.
+        per_format = []
+        for info in _inspect_all(cfg.model):
+            wl = _workload(cfg, info)
+            pl = _plan(info, hardware, wl)
+            sel = select(hardware, info, wl, backends, available=available, plan=pl)
+            per_format.append((sel, info, wl, pl))
+        serving = (cfg.concurrency or 1) > 1 or cfg.goal == "throughput"
+        ranked = sorted(per_format, key=lambda s: _rank(s[0], registry, serving), reverse=True)
+        selection, model, workload, the_plan = ranked[0]
+        facts: dict[str, tuple[Candidate, ModelInfo, Workload, Plan | None]] = {}
+        for sel, info, wl, pl in ranked:
+            for c in sel.candidates:
+                if c.eligible and c.name not in facts:
+                    facts[c.name] = (c, info, wl, pl)
+        if len(per_format) > 1:
+            # each backend as it stands on the format it reads
+            best = [f[0] for f in facts.values()]
+            rest = [c for c in selection.candidates if c.name not in facts]
+            selection.candidates = sorted(best, key=lambda c: -c.score) + rest
+            held = ", ".join(f"{info.format} ({info.path})" for _, info, _, _ in per_format)
+            selection.steps.append(f"the model directory holds {held}; each backend reads its own")
         order = [registry.get(c.name) for c in selection.candidates if c.eligible]
         if not order:
             rejected = [(c.name, "; ".join(c.blockers)) for c in selection.candidates]
@@ -120,6 +149,9 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     last_error: Exception | None = None
     for cls in order:
         selection.backend = cls.name
+        if not cfg.backend:
+            _, model, workload, the_plan = facts[cls.name]
+            selection.format = model.format
         try:
             return _load_walking_down(cls, cfg, workload, selection, model, hardware, the_plan)
         except (OutOfMemory, ModelLoadError, BackendUnavailable) as exc:
@@ -204,6 +236,33 @@ def _quantized_kv_option(cls: type[Engine[Any]], cfg: EngineConfig) -> dict[str,
     return None
 
 
+def _inspect_all(path: str) -> list[ModelInfo]:
+    """The model's inspection, once per format it is held in side by side (usually one)."""
+    formats = model_formats(path)
+    if len(formats) < 2:
+        return [inspect_model(path)]
+    infos, first_error = [], None
+    for p in formats.values():
+        try:
+            infos.append(inspect_model(p))
+        except (ModelFormatError, ModelNotFound) as exc:
+            first_error = first_error or exc
+    if not infos:
+        assert first_error is not None
+        raise first_error
+    return infos
+
+
+def _rank(selection: Selection, registry: Registry, serving: bool) -> tuple[float, bool]:
+    """How a format's selection ranks against the model's other formats: its best score, then,
+    for several users or throughput, whether that backend batches requests."""
+    best = next((c for c in selection.candidates if c.eligible), None)
+    if best is None:
+        return (float("-inf"), False)
+    batching = registry.get(best.name).capabilities.batching
+    return (best.score, batching == serving)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -221,7 +280,7 @@ def _machine() -> Hardware | None:
 def _workload(cfg: EngineConfig, model: Any) -> Workload:
     trained = getattr(model, "context_length", None)
     ctx = cfg.context_length or (min(trained, 4096) if isinstance(trained, int) and trained > 0 else 4096)
-    return Workload(context_length=ctx)
+    return Workload(context_length=ctx, concurrency=cfg.concurrency or 1, goal=cfg.goal or "latency")
 
 
 def _plan(model: Any, hardware: Hardware | None, workload: Workload) -> Plan | None:

@@ -5,6 +5,9 @@ environment (``UNILLM_*``), so a deployed app can swap its engine without a code
 
     UNILLM_BACKEND=mlx python app.py
 
+It holds for every option key too: a layer's ``options`` beat every lower layer's ``options`` and
+``backend_options`` tables, and within one layer a backend's own table beats ``options``.
+
 A TOML file holds the fields of ``EngineConfig`` at the top level or under a ``[unillm]`` table;
 a relative ``model`` path is taken relative to the file's folder::
 
@@ -18,6 +21,7 @@ a relative ``model`` path is taken relative to the file's folder::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unillm._errors import ConfigError
+from unillm._plugins import normalize_name
 from unillm._types import EngineConfig
 
 if sys.version_info >= (3, 11):
@@ -43,6 +48,8 @@ ENV_VARS = {
     "UNILLM_CHAT_TEMPLATE": "chat_template",
     "UNILLM_UNSUPPORTED_PARAMS": "unsupported_params",
     "UNILLM_OPTIONS": "options",
+    "UNILLM_CONCURRENCY": "concurrency",
+    "UNILLM_GOAL": "goal",
 }
 
 
@@ -52,50 +59,113 @@ def read_config(
     env: Mapping[str, str] | None = None,
     **overrides: Any,
 ) -> EngineConfig:
-    """Build an ``EngineConfig`` from ``source``, then ``overrides``, then the environment."""
+    """Build an ``EngineConfig`` from ``source``, then ``overrides``, then the environment.
+
+    Each layer replaces the fields the layers below it set; ``options`` and ``backend_options``
+    are merged key by key, with the higher layer winning every key it sets (see the module
+    docstring). Raises ``ConfigError`` for an unreadable file, a wrong type or a missing model.
+    """
     if source is None:
         data: dict[str, Any] = {}
+        where = "the config"
     elif isinstance(source, EngineConfig):
-        data = source.model_dump(exclude_unset=True)
+        data, where = source.model_dump(exclude_unset=True), "the EngineConfig"
     elif isinstance(source, Mapping):
-        data = dict(source)
+        data, where = dict(source), "the config dict"
     elif isinstance(source, (str, os.PathLike)):
-        data = _read_toml(Path(source))
+        data, where = _read_toml(Path(source)), repr(os.fspath(source))
     else:
         raise ConfigError(
             f"a config is an EngineConfig, a dict or the path of a TOML file, got {type(source).__name__}"
         )
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if key in ("options", "backend_options") and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}  # merge, as UNILLM_OPTIONS does
-        else:
-            data[key] = value
-    from_env = _from_env(os.environ if env is None else env)
-    if "options" in from_env:
-        from_env["options"] = {**data.get("options", {}), **from_env["options"]}
-    data.update(from_env)
-    if "model" not in data:
+    layers = [
+        (data, where),
+        ({k: v for k, v in overrides.items() if v is not None}, "the keyword arguments"),
+        (_from_env(os.environ if env is None else env), "the environment"),
+    ]
+    merged: dict[str, Any] = {}
+    for layer, name in layers:
+        _merge(merged, layer, name)
+    if "model" not in merged:
         raise ConfigError("no model given: set `model` in the config, pass model=..., or set UNILLM_MODEL")
-    return EngineConfig(**data)
+    return EngineConfig(**merged)
+
+
+def _merge(into: dict[str, Any], layer: Mapping[str, Any], where: str) -> None:
+    """Lay ``layer`` over ``into``. Its ``options`` keys are taken out of the lower layers'
+    per-backend tables first: otherwise ``options_for`` would let a file's table beat the
+    environment, since a backend's table is merged over ``options``."""
+    for key, value in layer.items():
+        if key == "options":
+            options = _table(value, f"options in {where}")
+            for table in into.get("backend_options", {}).values():
+                for name in options:
+                    table.pop(name, None)
+            into["options"] = {**into.get("options", {}), **options}
+        elif key == "backend_options":
+            tables = into.setdefault("backend_options", {})
+            for backend, raw in _table(value, f"backend_options in {where}").items():
+                table = _table(raw, f"backend_options.{backend} in {where}")
+                # one table per backend however its name is spelled, so the higher layer's keys land on it
+                same = next((b for b in tables if normalize_name(b) == normalize_name(str(backend))), backend)
+                tables[same] = {**tables.get(same, {}), **table}
+        else:
+            into[key] = value
+
+
+def _table(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{what} must be a table of name = value pairs (a dict), got {type(value).__name__} "
+            f"{value!r}; in TOML, for example: [options] then n_threads = 4 on the next line"
+        )
+    return dict(value)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    shown = repr(str(path)) if len(str(path)) <= 200 else repr(str(path)[:200] + "...")
     if path.suffix != ".toml":
         raise ConfigError(
-            f"{str(path)!r} is not a .toml config file. To open a model directly use "
-            f"auto_engine({str(path)!r}), or pass load_engine({{'model': {str(path)!r}}})"
+            f"{shown} is not a .toml config file. To open a model directly use "
+            f"auto_engine({shown}), or pass load_engine({{'model': {shown}}})"
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {str(path)!r}") from None
+        raise ConfigError(f"config file not found: {shown}; check the path") from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"{shown} is a directory, not a TOML config file; pass the path of the .toml file in it"
+        ) from None
+    except PermissionError:
+        raise ConfigError(
+            f"config file {shown} cannot be read: permission denied; make it readable "
+            "(chmod u+r) or run as a user who may read it"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise ConfigError(
+                f"config path is too long ({len(str(path))} characters, more than the system allows): "
+                f"{shown}; move the file to a shorter path"
+            ) from None
+        raise ConfigError(f"config file {shown} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{shown} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+            "TOML files are UTF-8: save it as UTF-8 and retry"
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{str(path)!r} is not valid TOML: {exc}. Fix the file and retry.") from exc
-    if isinstance(data.get("unillm"), dict):
+        raise ConfigError(f"{shown} is not valid TOML: {exc}. Fix the file and retry.") from exc
+    if "unillm" in data:
+        if not isinstance(data["unillm"], dict):
+            raise ConfigError(
+                f"`unillm` in {shown} must be a table ([unillm] followed by its fields), "
+                f"got {type(data['unillm']).__name__} {data['unillm']!r}"
+            )
         data = data["unillm"]
     model = data.get("model")
     if isinstance(model, str) and not Path(model).expanduser().is_absolute():

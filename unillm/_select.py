@@ -56,14 +56,17 @@ class Selection:
     steps: list[str] = field(default_factory=list)
     answers: list[tuple[str, str]] = field(default_factory=list)  # the field's ten questions
     recommendation: str | None = None  # the guide's first choice when it is not installed
+    workload: str | None = None  # the workload selected for, in words
 
     def explain(self) -> str:
         """A plain-text account: the choice, every candidate with its reasons, the ten questions."""
         lines = [
             f"model:   {self.model} (format: {self.format})",
             f"backend: {self.backend} (chosen by {self.chosen_by})",
-            "candidates:",
         ]
+        if self.workload:
+            lines.append(f"workload: {self.workload}")
+        lines.append("candidates:")
         for c in self.candidates:
             mark = "+" if c.eligible else "-"
             why = "; ".join(c.reasons + c.blockers) or "no reason recorded"
@@ -182,6 +185,11 @@ def select(
     if requested:
         chosen, by = requested, "config"
     selection = Selection(path, fmt, chosen, by, candidates)
+    if workload is not None:
+        selection.workload = (
+            f"{workload.context_length} tokens of context, {workload.concurrency} concurrent "
+            f"request{'s' if workload.concurrency != 1 else ''}, goal {workload.goal}"
+        )
     if prefs:
         first = prefs[0][0]
         have = {normalize_name(c.name): c for c in candidates}

@@ -151,7 +151,9 @@ class EngineConfig(_Validated):
 
     model: str = Field(description="Path of a .gguf file or a model directory.")
     backend: str | None = Field(default=None, description="Backend name; None lets auto_engine choose.")
-    context_length: int | None = Field(default=None, ge=16, description="Context window to allocate.")
+    context_length: int | None = Field(
+        default=None, ge=16, le=1 << 30, description="Context window to allocate."
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="Backend load options.")
     backend_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend options, keyed by backend name."
@@ -159,6 +161,16 @@ class EngineConfig(_Validated):
     chat_template: str | None = Field(default=None, description="Jinja chat template overriding the model's.")
     unsupported_params: UnsupportedPolicy = Field(
         default="strict", description="What to do with a sampling parameter the backend cannot honour."
+    )
+    concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Requests the application sends at once: the workload auto_engine selects for "
+        "(several users favour a serving engine). Default 1.",
+    )
+    goal: Literal["latency", "throughput", "cost", "portability"] | None = Field(
+        default=None, description="What to optimize when selecting a backend. Default latency."
     )
 
     def options_for(self, backend: str) -> dict[str, Any]:

@@ -6,7 +6,12 @@ which runs on an event loop of the backend's own. ``astream``/``agenerate`` call
 at once, or ``stream`` from many threads, share vLLM's continuous batch; a consumer that stops
 (break, close, task cancelled) aborts its request in vLLM, which frees its KV blocks. Usage and
 timings come from vLLM's per-request metrics, ``kv_stats`` from its scheduler stats. What the engine
-processes print goes to the ``unillm.vllm.engine`` logger.
+processes print goes to the ``unillm.vllm.engine`` logger, at DEBUG.
+
+The same weights mean the same thing here as on the other backends: the weights run in their own
+dtype unless another is asked for (vLLM's "auto" would run f32 weights in bf16 on a CPU), and
+generation ends on exactly the model's declared end-of-sequence set (``unillm._eos``), not on
+vLLM's own guess; the token that ends it is not part of the completion.
 
 vLLM starts its engine in child processes (spawned): a script that loads it needs the
 ``if __name__ == "__main__":`` guard.
@@ -15,11 +20,15 @@ vLLM starts its engine in child processes (spawned): a script that loads it need
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import functools
 import gc
 import importlib.util
 import itertools
+import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -31,6 +40,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from unillm._engine import Engine, Messages, Request
+from unillm._eos import eos_from_hf_dir
 from unillm._errors import (
     BackendUnavailable,
     ConfigError,
@@ -42,7 +52,7 @@ from unillm._errors import (
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
 from unillm.engines._common import check_prompt, gpu_present, token_ids
-from unillm.engines._vllm_parallel import ParallelPlan, plan_parallel
+from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan, plan_parallel
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
 from unillm.engines._vllm_start import import_vllm, quiet_vllm_logger, start
 
@@ -64,6 +74,13 @@ _ELSEWHERE = {
 _CPU_KV_SHARE = 0.25
 _CPU_KV_FLOOR = 256 << 20
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+# A checkpoint's dtype names (config.json, safetensors headers) -> vLLM's dtype names.
+_VLLM_DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}  # fmt: skip
+_MAX_CONFIG = 16 << 20
 _END = object()
 _ids = itertools.count(1)
 
@@ -109,8 +126,10 @@ class VLLMOptions(BaseModel):
     enforce_eager: bool | None = Field(
         default=None, description="Skip torch.compile and CUDA graphs: faster start, slower steps."
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        default="auto", description="Weights and activations dtype; auto: vLLM's choice for the model."
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
+        default=None,
+        description="Weights and activations dtype. Default: the weights' own (config.json's "
+        "torch_dtype); auto: vLLM's choice (bf16 for f32 weights on most CPUs and GPUs).",
     )
     quantization: str | None = Field(
         default=None, description="Quantization method; default: read from the model."
@@ -155,6 +174,12 @@ class VLLMEngine(Engine[VLLMOptions]):
     install_hint: ClassVar[str | None] = GPU_HINT
     #: how the model is spread over devices (tp/pp/dp, executor) and why: set at load
     parallel: ParallelPlan | None = None
+    #: the dtype the weights and activations run in ("float32", ...), as vLLM reports it: set at load
+    dtype: str | None = None
+    #: the token ids that end generation (the model's declared end-of-sequence set): set at load
+    eos_token_ids: frozenset[int] = frozenset()
+    #: what unillm decided at load and why (dtype, parallel layout), one sentence each
+    load_notes: tuple[str, ...] = ()
 
     # ---- availability ----
 
@@ -192,14 +217,22 @@ class VLLMEngine(Engine[VLLMOptions]):
             raise BackendUnavailable(self.name, avail.reason, avail.install_hint)
         info = _inspect(path)
         args = self._engine_args(path, info)
-        vllm = import_vllm(_hint())
+        env = self.parallel.engine_env() if self.parallel is not None else {}
+        if CPU_BIND_VAR in os.environ and env:
+            env = {}  # the user's own binding wins
+            self._notes.append(f"{CPU_BIND_VAR}={os.environ[CPU_BIND_VAR]!r} from the environment kept")
         capture = OutputCapture()
-        numbers = KVNumbers()
-        loop = EngineLoop()
+        loop: EngineLoop | None = None
         try:
-            engine = start(vllm, args, loop, capture, numbers, _build()[1])
+            # Importing vLLM prints too (Triton, torch warnings): into the capture, not the terminal.
+            with capture.redirect():
+                vllm = import_vllm(_hint())
+            numbers = KVNumbers()
+            loop = EngineLoop()
+            engine = start(vllm, args, loop, capture, numbers, _build()[1], env)
         except BaseException:
-            loop.stop()
+            if loop is not None:
+                loop.stop()
             capture.stop()
             raise
         quiet_vllm_logger()
@@ -219,9 +252,31 @@ class VLLMEngine(Engine[VLLMOptions]):
         self._bos = getattr(tok, "bos_token", None) or None
         self._vocab = int(engine.model_config.get_vocab_size())
         self._max_len = int(engine.model_config.max_model_len)
-        self._kv_dtype = _kv_dtype(opts.kv_cache_dtype, str(engine.model_config.dtype))
+        self.dtype = str(engine.model_config.dtype).removeprefix("torch.")
+        if args.get("dtype", "auto") not in ("auto", self.dtype):
+            self._notes.append(f"vLLM runs {self.dtype}, not the {args['dtype']} asked for")
+        self._kv_dtype = _kv_dtype(opts.kv_cache_dtype, self.dtype)
         per_element = 1 if self._kv_dtype.startswith("fp8") else _DTYPE_BYTES.get(self._kv_dtype, 2)
         self._bpt = info.kv_bytes_per_token(per_element) if info is not None else None
+
+        def one_token(text: str) -> int | None:
+            ids = self._tok.encode(text, add_special_tokens=False)
+            return int(ids[0]) if len(ids) == 1 else None
+
+        self.eos_token_ids = eos_from_hf_dir(path, to_id=one_token, vocab_size=self._vocab)
+        if not self.eos_token_ids:
+            self._notes.append(
+                "the model declares no end-of-sequence token: generation ends only at max_tokens, a "
+                "stop string or stop_token_ids"
+            )
+        self.load_notes = tuple(self._notes)
+        for note in self.load_notes:
+            log.info("vllm: %s", note)
+        # A script that ends without close() still shuts vLLM down before the interpreter tears
+        # down the modules its engine needs (else vLLM's __del__ and output handler print
+        # tracebacks at exit). A weak reference, so the hook keeps nothing alive.
+        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         del engine, tok  # only self holds the engine, so close() frees it
 
     def _engine_args(self, path: Path, info: Any) -> dict[str, Any]:
@@ -240,6 +295,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         device: Literal["cuda", "rocm", "cpu"] = "cpu" if build == "cpu" else _gpu_kind()
         from unillm._hardware import detect_hardware
 
+        cpu_ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         parallel = plan_parallel(
             device=device,
             hardware=detect_hardware() if device != "cpu" else None,
@@ -249,10 +305,12 @@ class VLLMEngine(Engine[VLLMOptions]):
             data_parallel_size=opts.data_parallel_size,
             num_gpus=opts.num_gpus,
             distributed_executor=opts.distributed_executor,
+            cpu_ids=cpu_ids if device == "cpu" else None,
+            numa_nodes=_numa_nodes() if device == "cpu" else None,
         )
-        for note in parallel.notes:
-            log.info("vllm parallelism: %s", note)
         self.parallel = parallel
+        dtype, why = (opts.dtype, "asked for") if opts.dtype else _weights_dtype(path, info)
+        self._notes: list[str] = [f"dtype {dtype}: {why}", *parallel.notes]
         max_len = opts.max_model_len or self.config.context_length
         args: dict[str, Any] = {
             "model": str(path),
@@ -262,7 +320,7 @@ class VLLMEngine(Engine[VLLMOptions]):
             "kv_cache_dtype": opts.kv_cache_dtype,
             "block_size": opts.block_size,
             "enable_prefix_caching": opts.enable_prefix_caching,
-            "dtype": opts.dtype,
+            "dtype": dtype,
             "quantization": opts.quantization,
             "enable_lora": opts.enable_lora,
             "speculative_config": opts.speculative_config,
@@ -280,7 +338,7 @@ class VLLMEngine(Engine[VLLMOptions]):
             args["gpu_memory_utilization"] = opts.gpu_memory_utilization
         kv_bytes = opts.kv_cache_memory_bytes
         if kv_bytes is None and device == "cpu" and opts.gpu_memory_utilization is None:
-            kv_bytes = _cpu_kv_bytes(info, max_len, opts.kv_cache_dtype)
+            kv_bytes = _cpu_kv_bytes(info, max_len, _kv_dtype(opts.kv_cache_dtype, dtype))
         if kv_bytes is not None:
             args["kv_cache_memory_bytes"] = kv_bytes
         args = {k: v for k, v in args.items() if v is not None}
@@ -304,8 +362,17 @@ class VLLMEngine(Engine[VLLMOptions]):
         return ids, self._sampling(params)
 
     def _sampling(self, params: SamplingParams) -> Any:
-        """vLLM's SamplingParams for ``params``, built eagerly so a bad value fails at the call."""
+        """vLLM's SamplingParams for ``params``, built eagerly so a bad value fails at the call.
+
+        vLLM's own end-of-sequence handling (the tokenizer's EOS plus generation_config's) is
+        turned off with ``ignore_eos`` and the declared set passed as stop ids instead: vLLM then
+        stops on exactly that set (``check_stop``), min_tokens still masks it (stop ids join
+        ``all_stop_token_ids``), and the final output names the id that stopped it
+        (``stop_reason``), which ``_piece`` drops."""
         v = self._vllm
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
         structured = None
         if params.response_format is not None:
             structured = v.StructuredOutputsParams(json=_json_schema(params.response_format))
@@ -322,8 +389,8 @@ class VLLMEngine(Engine[VLLMOptions]):
                 frequency_penalty=params.frequency_penalty,
                 seed=params.seed,
                 stop=list(params.stop) or None,
-                stop_token_ids=list(params.stop_token_ids) or None,
-                ignore_eos=params.ignore_eos,
+                stop_token_ids=sorted(stop_ids) or None,
+                ignore_eos=True,
                 logprobs=0 if params.logprobs is not None else None,
                 logit_bias=params.logit_bias,
                 structured_outputs=structured,
@@ -395,6 +462,11 @@ class VLLMEngine(Engine[VLLMOptions]):
         lp = None
         if o.logprobs:
             lp = tuple(step[t].logprob for step, t in zip(o.logprobs, ids, strict=False))
+        if out.finished and isinstance(o.stop_reason, int) and ids and ids[-1] == o.stop_reason:
+            # The stop token (an EOS of the set or a user's stop id) ends the completion without
+            # being part of it, as on every backend; vLLM already left its text out.
+            ids = ids[:-1]
+            lp = lp[: len(ids)] if lp is not None else None
         if out.finished:
             req.finish_reason = "length" if o.finish_reason == "length" else "stop"
             if out.prompt_token_ids:
@@ -432,6 +504,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         engine config overrides the model's."""
         from unillm._types import ChatMessage
 
+        self._running()
         msgs = [ChatMessage.coerce(m) for m in messages]
         if not msgs:
             raise ConfigError("chat() needs at least one message")
@@ -456,9 +529,11 @@ class VLLMEngine(Engine[VLLMOptions]):
         return getattr(self._tok, "chat_template", None)
 
     def tokenize(self, text: str) -> list[int]:
+        self._running()
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        self._running()
         return str(self._tok.decode(list(ids)))
 
     # ---- KV cache ----
@@ -471,6 +546,9 @@ class VLLMEngine(Engine[VLLMOptions]):
         return engine
 
     def kv_stats(self) -> KVStats:
+        """vLLM's KV cache: its blocks, the usage fraction of its latest step, and its prefix-cache
+        counters, which count *tokens* (prompt tokens looked up and found since load, or since the
+        last ``reset()``), not requests."""
         cache = self._running().vllm_config.cache_config
         blocks = cache.num_gpu_blocks
         size = cache.block_size
@@ -494,12 +572,14 @@ class VLLMEngine(Engine[VLLMOptions]):
 
     def reset(self) -> None:
         """Drop the prefix cache (blocks of running requests stay)."""
-        self._loop.call(self._running().reset_prefix_cache())
+        engine = self._running()
+        self._loop.call(engine.reset_prefix_cache())
 
     # ---- close ----
 
     def _close(self) -> None:
         engine, self._engine = self._engine, None
+        atexit.unregister(self._exit_hook)
         try:
             # Requests and the output handler end first, so the engine's exit is no error to them.
             self._loop.stop()
@@ -533,7 +613,11 @@ def _gpu_kind() -> Literal["cuda", "rocm"]:
 
 def _model_dir(model: str) -> Path:
     from unillm._inspect import detect_format
+    from unillm._model_path import hf_dir_in
 
+    hf = hf_dir_in(model)  # a directory holding the model's formats side by side: its HF one
+    if hf is not None:
+        model = str(hf)
     fmt = detect_format(model)  # ModelNotFound, ModelFormatError
     path = Path(model).expanduser()
     if fmt not in _READS:
@@ -565,7 +649,7 @@ def _cpu_kv_bytes(info: Any, max_len: int | None, kv_dtype: str) -> int:
 
     hw = detect_hardware()
     available = hw.ram_available_bytes or hw.ram_total_bytes
-    per_element = 1 if kv_dtype.startswith("fp8") else 4 if kv_dtype == "auto" else 2
+    per_element = 1 if kv_dtype.startswith("fp8") else _DTYPE_BYTES.get(kv_dtype, 4)
     bpt = info.kv_bytes_per_token(per_element) if info is not None else None
     length = max_len or (info.context_length if info is not None else None)
     cap = int(available * _CPU_KV_SHARE)
@@ -579,6 +663,52 @@ def _cpu_kv_bytes(info: Any, max_len: int | None, kv_dtype: str) -> int:
             "kv_cache_memory_bytes explicitly"
         )
     return min(max(16 * one, _CPU_KV_FLOOR), cap)
+
+
+def _close_at_exit(ref: weakref.ref[VLLMEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        with contextlib.suppress(Exception):  # exiting: nobody is left to tell
+            engine.close()
+
+
+def _weights_dtype(path: Path, info: Any) -> tuple[str, str]:
+    """The dtype vLLM should run the weights in, and why: the checkpoint's own (config.json's
+    ``torch_dtype``/``dtype``, else the safetensors headers'), or "auto" (vLLM's choice) where
+    the weights are quantized or their dtype is not one vLLM runs."""
+    fmt = getattr(info, "format", "safetensors")
+    if fmt != "safetensors":
+        return "auto", f"{fmt} weights: vLLM picks the activation dtype its {fmt} kernels take"
+    config = _read_json(path / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for src, key in ((config, "torch_dtype"), (config, "dtype"), (text, "torch_dtype"), (text, "dtype")):
+        name = src.get(key)
+        if isinstance(name, str):
+            if name.lower() in _VLLM_DTYPES:
+                return _VLLM_DTYPES[name.lower()], f"the weights' own (config.json {key}={name!r})"
+            return "auto", f"config.json {key}={name!r} is not a dtype vLLM runs: vLLM chooses (auto)"
+    stored = getattr(info, "quantization", None)
+    if isinstance(stored, str) and stored in _VLLM_DTYPES:
+        return _VLLM_DTYPES[stored], f"the weights' own ({stored} in the safetensors files)"
+    return "auto", "neither config.json nor the weight files name a dtype: vLLM chooses (auto)"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > _MAX_CONFIG:
+            return {}
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _numa_nodes() -> int | None:
+    """NUMA nodes with memory on this machine (vLLM's CPU build binds one rank per node)."""
+    try:
+        return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or None
+    except OSError:
+        return None
 
 
 def _kv_dtype(option: str, model_dtype: str) -> str:
