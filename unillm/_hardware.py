@@ -21,7 +21,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -124,6 +125,15 @@ class Hardware:
     def from_dict(cls, data: dict[str, Any]) -> Hardware:
         from unillm._errors import ConfigError
 
+        problem = _key_problem(data, cls, "the profile")
+        for list_key, item_cls in (("gpus", GPU), ("engines", EngineBuild)):
+            items = data.get(list_key, [])
+            if problem is None and not isinstance(items, list):
+                problem = f"{list_key!r} must be a list, not {items!r}"
+            for i, item in enumerate(items if isinstance(items, list) else ()):
+                problem = problem or _key_problem(item, item_cls, f"{list_key}[{i}]")
+        if problem:
+            raise ConfigError(f"not a hardware profile: {problem}")
         try:
             gpus = tuple(GPU(**g) for g in data.get("gpus", ()))
             nvlink = tuple(tuple(p) for p in data.get("nvlink", ()))
@@ -215,6 +225,23 @@ class Hardware:
         return [f"{label:<9}{value}" for label, value in rows]
 
 
+def _key_problem(data: object, cls: type, where: str) -> str | None:
+    """An unknown or missing key in one JSON object of a profile, named, with the keys it takes
+    (a typo'd key would otherwise surface as a constructor's "unexpected keyword argument")."""
+    if not isinstance(data, dict):
+        return f"{where} must be a JSON object, not {data!r}"
+    fields = dataclass_fields(cls)
+    known = [f.name for f in fields]
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        return f"unknown key {unknown[0]!r} in {where}; the keys are {', '.join(known)}"
+    required = [f.name for f in fields if f.default is MISSING and f.default_factory is MISSING]
+    missing = [k for k in required if k not in data]
+    if missing:
+        return f"{where} is missing the key {missing[0]!r} (required: {', '.join(required)})"
+    return None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -223,18 +250,27 @@ def _gib(n: int) -> str:
     return f"{n / _GIB:.1f} GiB"
 
 
+#: The top-level keys of ``unillm doctor --json``; ``load_hardware`` reads its ``hardware``.
+_DOCTOR_KEYS = frozenset({"python", "hardware", "backends", "plugin_failures"})
+
+
 def load_hardware(path: str | Path) -> Hardware:
-    """A hardware profile from a JSON file (as written by ``Hardware.to_json``)."""
+    """A hardware profile from a JSON file: what ``Hardware.to_json`` writes, or the whole output
+    of ``unillm doctor --json`` (its ``hardware`` object is the profile)."""
     from unillm._errors import ConfigError
 
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"hardware profile not found: {str(path)!r}") from None
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError is one too
         raise ConfigError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    except OSError as exc:  # a directory, no permission, a path too long
+        raise ConfigError(f"hardware profile {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{str(path)!r} is not a hardware profile (a JSON object)")
+    if isinstance(data.get("hardware"), dict) and set(data) <= _DOCTOR_KEYS:
+        data = data["hardware"]
     return Hardware.from_dict(data)
 
 
