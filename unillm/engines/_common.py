@@ -36,15 +36,21 @@ class _Tokens(Protocol):
 
 def installed(*packages: tuple[str, str], hint: str) -> Availability:
     """Available when every ``(module, distribution)`` is importable, without importing it; the
-    version reported is the last distribution's."""
+    version is the distribution's, or each one named when there are several."""
+    versions = []
     for module, dist in packages:
         if importlib.util.find_spec(module) is None:
             return Availability(False, f"{dist} is not installed", hint)
-    try:
-        version = importlib.metadata.version(packages[-1][1])
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    return Availability(True, version=version)
+        try:
+            versions.append((dist, importlib.metadata.version(dist)))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if not versions:
+        return Availability(True)
+    if len(packages) == 1:
+        return Availability(True, version=versions[0][1])
+    # several packages (mlx and mlx-lm): name each, or "0.32.2" reads as the wrong one's
+    return Availability(True, version=", ".join(f"{d} {v}" for d, v in versions))
 
 
 def token_ids(prompt: Sequence[int], vocab: int) -> list[int]:
