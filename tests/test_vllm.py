@@ -12,6 +12,8 @@ import gc
 import importlib.util
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -37,10 +39,10 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 
-# float32: the tiny model's own dtype (vLLM's CPU default, bf16, costs a ~25 s kernel JIT on the
-# first request here); eager: start in ~25 s instead of minutes of torch.compile.
+# No dtype: unillm's default, the weights' own (f32 here; vLLM's "auto" would run bf16, which
+# changes greedy tokens and costs a ~25 s kernel JIT on the first request). Eager: start in ~25 s
+# instead of minutes of torch.compile.
 OPTIONS: dict[str, Any] = {
-    "dtype": "float32",
     "enforce_eager": True,
     "kv_cache_memory_bytes": 64 << 20,
     "max_num_seqs": 32,
@@ -53,6 +55,8 @@ PROMPTS = [
     "0 1 2 3 4 5 6 7 8 9",
     "Why is the sky blue? Because air scatters blue light more than red light.",
 ]
+# The tiny model's greedy reply to this chat turn is its EOS (<|im_end|>) at once.
+ENDS_AT_ONCE = "<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n"
 
 
 def open_vllm(tiny: TinyModel, **options: Any) -> Any:
@@ -108,24 +112,31 @@ def test_greedy_tokens_equal_vllm_called_directly(engine: Any) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    async def raw() -> list[list[int]]:
+    prompts = [*PROMPTS, ENDS_AT_ONCE]
+
+    async def raw() -> list[tuple[list[int], str | None]]:
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine.engine_args))
         try:
             outs = []
-            for i, prompt in enumerate(PROMPTS):
+            for i, prompt in enumerate(prompts):
                 sp = VSP(temperature=0.0, max_tokens=24)
                 ids: list[int] = []
+                finish = None
                 async for out in llm.generate(prompt, sp, request_id=f"raw-{i}"):
                     ids = list(out.outputs[0].token_ids)  # cumulative: the last output has them all
-                outs.append(ids)
+                    finish = out.outputs[0].finish_reason
+                outs.append((ids, finish))
             return outs
         finally:
             llm.shutdown()
 
-    expected = asyncio.run(raw())
-    got = [list(engine.generate(p, GREEDY).token_ids) for p in PROMPTS]
+    outs = asyncio.run(raw())
+    # vLLM's own outputs end with the EOS that stopped them; unillm's leave it out
+    assert outs[-1] == ([2], "stop")
+    expected = [ids[:-1] if finish == "stop" else ids for ids, finish in outs]
+    got = [list(engine.generate(p, GREEDY).token_ids) for p in prompts]
     assert got == expected
-    assert all(len(ids) > 0 for ids in got)
+    assert all(len(ids) > 0 for ids in got[:-1])
 
 
 def test_greedy_tokens_equal_the_llama_cpp_backend_on_the_same_weights(engine: Any, tiny: TinyModel) -> None:
@@ -135,6 +146,11 @@ def test_greedy_tokens_equal_the_llama_cpp_backend_on_the_same_weights(engine: A
     with LlamaCppEngine(model=str(tiny.gguf_path), context_length=1024) as llama:
         for prompt in PROMPTS:
             assert engine.generate(prompt, GREEDY).token_ids == llama.generate(prompt, GREEDY).token_ids
+
+
+def test_the_weights_run_in_their_own_dtype_by_default(engine: Any) -> None:
+    assert engine.dtype == "float32" == engine.engine_args["dtype"]  # vLLM's "auto": bfloat16 here
+    assert any("dtype float32: the weights' own" in note for note in engine.load_notes)
 
 
 def test_conformance(engine: Any) -> None:
@@ -293,6 +309,54 @@ def test_kv_stats_describe_vllms_cache(engine: Any, tiny: TinyModel) -> None:
     assert kv.dtype == "float32"
 
 
+# ---- end of sequence: the declared set, and the stop token is not part of the completion ----
+
+
+def test_the_end_of_sequence_set_is_the_models_declared_one(engine: Any) -> None:
+    assert engine.eos_token_ids == frozenset(engine.tokenize("<|im_end|>")) == frozenset({2})
+
+
+def test_the_token_that_stops_is_not_in_the_completion(engine: Any) -> None:
+    c = engine.generate(ENDS_AT_ONCE, GREEDY)
+    assert c.finish_reason == "stop"
+    assert c.token_ids == () and c.text == ""
+    assert c.usage.completion_tokens == 0
+    chunks = list(engine.stream(ENDS_AT_ONCE, GREEDY))
+    assert [t for ch in chunks for t in ch.token_ids] == []
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_ignore_eos_runs_past_the_end_of_sequence(engine: Any) -> None:
+    c = engine.generate(ENDS_AT_ONCE, GREEDY, ignore_eos=True, max_tokens=8)
+    assert c.finish_reason == "length"
+    assert len(c.token_ids) == 8 == c.usage.completion_tokens
+    assert c.token_ids[0] == 2  # the EOS, generated and passed over
+
+
+def test_min_tokens_holds_off_the_end_of_sequence(engine: Any) -> None:
+    c = engine.generate(ENDS_AT_ONCE, GREEDY, min_tokens=5)
+    assert len(c.token_ids) >= 5
+    assert 2 not in c.token_ids[:5]
+    assert c.usage.completion_tokens == len(c.token_ids)
+
+
+def test_vllms_own_guess_of_the_eos_is_not_used(engine: Any) -> None:
+    """Declared set {X}: vLLM stops at X, and not at its own EOS guess (id 2, the tokenizer's and
+    generation_config's), which this prompt generates first."""
+    free = engine.generate(ENDS_AT_ONCE, GREEDY, ignore_eos=True, max_tokens=24).token_ids
+    assert free[0] == 2
+    x = next(t for t in free[3:] if t != 2)
+    declared = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({x})
+    try:
+        c = engine.generate(ENDS_AT_ONCE, GREEDY)
+    finally:
+        engine.eos_token_ids = declared
+    assert c.finish_reason == "stop"
+    assert c.token_ids == free[: free.index(x)]
+    assert c.token_ids[0] == 2
+
+
 # ---- sampling ----
 
 
@@ -306,14 +370,16 @@ def test_stop_strings_and_stop_ids(engine: Any) -> None:
     third = free.token_ids[2]
     by_id = engine.generate(PROMPTS[1], GREEDY, stop_token_ids=[third])
     assert by_id.finish_reason == "stop"
-    assert len(by_id.token_ids) <= 3
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(third)]  # the stop id left out
+    assert by_id.usage.completion_tokens == len(by_id.token_ids)
+    assert free.text.startswith(by_id.text)
 
 
 def test_min_tokens_holds_off_the_stop_ids(engine: Any) -> None:
     first = engine.generate(PROMPTS[2], GREEDY).token_ids[0]
     early = engine.generate(PROMPTS[2], GREEDY, stop_token_ids=[first])
     held = engine.generate(PROMPTS[2], GREEDY, stop_token_ids=[first], min_tokens=8)
-    assert len(early.token_ids) <= 1
+    assert early.token_ids == () and early.finish_reason == "stop"
     assert len(held.token_ids) >= 8
 
 
@@ -444,7 +510,7 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
     handler = Keep()
     engine_log = logging.getLogger("unillm.vllm.engine")
     engine_log.addHandler(handler)
-    engine_log.setLevel(logging.INFO)
+    engine_log.setLevel(logging.DEBUG)
     try:
         expected = None
         for _ in range(3):
@@ -459,11 +525,116 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
             eng.close()
             gc.collect()
             assert ref() is None, "the AsyncLLM is freed"
-            with pytest.raises(EngineClosed):
-                eng.kv_stats()
+            assert_closed(eng)
             _, alive = psutil.wait_procs(started, timeout=15)
             assert not alive, f"engine processes still running: {alive}"
     finally:
         engine_log.removeHandler(handler)
+        engine_log.setLevel(logging.NOTSET)
     text = "\n".join(r.getMessage() for r in records)
     assert "EngineCore" in text  # the engine processes' output reached logging
+    assert {r.levelno for r in records} == {logging.DEBUG}  # vLLM's warnings too: nothing on stderr
+
+
+def assert_closed(eng: Any) -> None:
+    """Every public method of a closed engine raises EngineClosed."""
+    hello = [{"role": "user", "content": "hi"}]
+    calls = {
+        "kv_stats": eng.kv_stats,
+        "tokenize": lambda: eng.tokenize("hi"),
+        "detokenize": lambda: eng.detokenize([1]),
+        "render_chat": lambda: eng.render_chat(hello),
+        "chat": lambda: eng.chat(hello),
+        "reset": eng.reset,
+        "generate": lambda: eng.generate("hi"),
+        "stream": lambda: eng.stream("hi"),
+        "agenerate": lambda: asyncio.run(eng.agenerate("hi")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(EngineClosed):
+            call()
+            pytest.fail(f"{name} did not raise on a closed engine")
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+from unillm import load_engine
+
+if __name__ == "__main__":
+    engine = load_engine({"model": sys.argv[1], "backend": "vllm", "context_length": 512,
+                          "backend_options": {"vllm": {"enforce_eager": True,
+                                                       "kv_cache_memory_bytes": 64 << 20}}})
+    print(len(engine.generate("Once upon a time", max_tokens=8, temperature=0).token_ids))
+"""
+
+
+def test_a_script_that_never_closes_the_engine_exits_quietly(tiny: TinyModel, tmp_path: Path) -> None:
+    """No EngineDeadError from vLLM's output handler, no traceback from its ``__del__``: unillm
+    closes the engine at interpreter exit."""
+    script = tmp_path / "no_close.py"
+    script.write_text(EXIT_WITHOUT_CLOSE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny.hf_dir)], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "8"
+    assert "Traceback" not in done.stderr and "EngineDeadError" not in done.stderr, done.stderr
+    assert done.stderr.strip() == "", done.stderr  # nothing at all: vLLM's chatter is on logging
+
+
+# ---- parallel layouts on the CPU build ----
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_on_cpu_gives_the_same_greedy_tokens(engine: Any, tiny: TinyModel) -> None:
+    """tp=2 from config alone: unillm picks the mp executor and gives each rank its own cores
+    (vLLM's "auto" binding refuses two ranks on one NUMA node)."""
+    import os
+
+    alone = [engine.generate(p, GREEDY).token_ids for p in PROMPTS]
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    tp2 = open_vllm(tiny, tensor_parallel_size=2)
+    try:
+        assert tp2.parallel.tensor_parallel_size == 2
+        assert tp2.engine_args["distributed_executor_backend"] == "mp"
+        assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == before  # set for vLLM's processes only
+        assert [tp2.generate(p, GREEDY).token_ids for p in PROMPTS] == alone
+    finally:
+        tp2.close()
+
+
+# ---- leaks ----
+
+
+@pytest.mark.slow
+def test_load_close_cycles_leak_no_threads_descriptors_processes_or_memory(tiny: TinyModel) -> None:
+    """UNILLM_VLLM_LEAK_CYCLES (default 20) load/generate/close cycles; what the first cycle leaves
+    (imports, vLLM's caches, multiprocessing's resource tracker) is the baseline."""
+    import os
+
+    psutil = pytest.importorskip("psutil")
+    cycles = int(os.environ.get("UNILLM_VLLM_LEAK_CYCLES", "20"))
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    readings: list[tuple[int, int, int, int]] = []
+    t0 = time.perf_counter()
+    for _ in range(cycles):
+        eng = open_vllm(tiny)
+        assert eng.generate(PROMPTS[0], GREEDY).token_ids
+        eng.close()
+        del eng
+        gc.collect()
+        _, alive = psutil.wait_procs(new_processes(before), timeout=15)
+        assert not alive, f"engine processes still running: {alive}"
+        readings.append((me.num_threads(), me.num_fds(), len(new_processes(before)), me.memory_info().rss))
+    took = time.perf_counter() - t0
+    threads, fds, children, rss = zip(*readings, strict=True)
+    print(
+        f"\n{cycles} vLLM load/close cycles in {took:.0f} s ({took / cycles:.1f} s each): threads "
+        f"{threads[0]} -> {threads[-1]}, fds {fds[0]} -> {fds[-1]}, child processes {children[-1]}, "
+        f"RSS {rss[0] / 2**20:.1f} -> {rss[-1] / 2**20:.1f} MiB (max {max(rss) / 2**20:.1f})"
+    )
+    assert max(threads[1:], default=threads[0]) <= threads[0], threads
+    assert max(fds[1:], default=fds[0]) <= fds[0], fds
+    assert children[-1] == 0
+    assert rss[-1] - rss[0] < 20 * 2**20, [r // 2**20 for r in rss]

@@ -5,6 +5,7 @@ mailbox). The real engine is tested in test_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import subprocess
 import sys
@@ -14,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemory
+from unillm import BackendUnavailable, ConfigError, EngineClosed, ModelFormatError, OutOfMemory
 from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
+from unillm._inspect import ModelInfo
 from unillm.engines import vllm as backend
 from unillm.engines._vllm_runtime import Mailbox, OutputCapture
 from unillm.engines._vllm_start import load_error
@@ -155,6 +157,81 @@ def test_the_parallel_plan_and_its_notes_stay_on_the_engine(
     assert any("CPU" in note for note in eng.parallel.notes)
 
 
+def test_cpu_tensor_parallelism_runs_mp_with_each_rank_on_its_own_cores(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch)
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(backend, "_numa_nodes", lambda: 1)
+    eng = VLLMEngine(model=str(tiny.hf_dir), options={"tensor_parallel_size": 2})
+    args = eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "mp"
+    assert eng.parallel is not None
+    assert eng.parallel.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # the measured layout
+
+
+@pytest.mark.parametrize(
+    ("options", "phrase"),
+    [
+        ({"pipeline_parallel_size": 2}, "KeyError"),
+        ({"tensor_parallel_size": 2, "distributed_executor": "ray"}, "does not support ray"),
+    ],
+)
+def test_cpu_refuses_pipeline_stages_and_ray_before_vllm_starts(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel, options: dict[str, Any], phrase: str
+) -> None:
+    cpu_machine(monkeypatch)
+    with pytest.raises(ConfigError, match=phrase) as info:
+        engine_args(tiny, options=options)
+    assert "tensor_parallel_size=N" in str(info.value)  # what works instead
+
+
+# ---- dtype: the weights' own unless asked ----
+
+
+def test_the_default_dtype_is_the_weights_own(monkeypatch: pytest.MonkeyPatch, tiny: TinyModel) -> None:
+    cpu_machine(monkeypatch)
+    eng = VLLMEngine(model=str(tiny.hf_dir))
+    args = eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    assert args["dtype"] == "float32"  # vLLM's "auto" would run these f32 weights in bf16
+    assert "dtype float32: the weights' own (config.json torch_dtype='float32')" in eng._notes
+
+
+@pytest.mark.parametrize("asked", ["bfloat16", "float16", "auto"])
+def test_a_dtype_asked_for_is_passed_as_asked(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel, asked: str
+) -> None:
+    cpu_machine(monkeypatch)
+    assert engine_args(tiny, options={"dtype": asked})["dtype"] == asked
+
+
+@pytest.mark.parametrize(
+    ("config", "stored", "dtype", "why"),
+    [
+        ({"torch_dtype": "bfloat16"}, "f32", "bfloat16", "torch_dtype='bfloat16'"),  # config first
+        ({"dtype": "float16"}, None, "float16", "dtype='float16'"),  # transformers 5's key
+        ({"text_config": {"torch_dtype": "bfloat16"}}, None, "bfloat16", "torch_dtype"),
+        ({}, "bf16", "bfloat16", "bf16 in the safetensors files"),
+        ({"torch_dtype": "float64"}, None, "auto", "not a dtype vLLM runs"),
+        ({}, None, "auto", "vLLM chooses"),
+    ],
+)  # fmt: skip
+def test_the_weights_dtype_is_read_from_the_checkpoint(
+    tmp_path: Path, config: dict[str, Any], stored: str | None, dtype: str, why: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    info = ModelInfo(str(tmp_path), "safetensors", quantization=stored)
+    got, reason = backend._weights_dtype(tmp_path, info)
+    assert got == dtype
+    assert why in reason
+
+
+def test_quantized_weights_leave_the_activation_dtype_to_vllm(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    got, reason = backend._weights_dtype(tmp_path, ModelInfo(str(tmp_path), "gptq", quantization="gptq"))
+    assert got == "auto" and "gptq" in reason
+
+
 def test_unknown_options_are_refused(tiny: TinyModel) -> None:
     with pytest.raises(ConfigError, match="valid vllm options"):
         VLLMEngine(model=str(tiny.hf_dir), options={"gpu_mem": 0.5})
@@ -196,6 +273,15 @@ class _Capture:
         ("CUDA out of memory. Tried to allocate 2 GiB", (), OutOfMemory, "out of memory"),
         ("User-specified max_model_len (99999) is greater than the derived one", (), ConfigError, "99999"),
         ("Engine core initialization failed.", ("RuntimeError: it broke",), ModelLoadError, "it broke"),
+        (  # memory named only in a warning: not the cause, so not OutOfMemory
+            "Engine core initialization failed. See root cause above.",
+            ("[W1201 08:01:44.44 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory",
+             "(Worker pid=7) INFO 12-01 08:01:44 [cpu_worker.py:260] Explicitly set 0.06 GiB for KV cache",
+             "(Worker pid=7) ERROR 12-01 08:01:44 [multiproc_executor.py:953] RuntimeError: it broke"),
+            ModelLoadError,
+            "RuntimeError: it broke",
+        ),
+        ("Engine core initialization failed. See root cause above.", (), ModelLoadError, "root cause"),
     ],
 )  # fmt: skip
 def test_start_up_failures_map_to_typed_errors(
@@ -205,6 +291,83 @@ def test_start_up_failures_map_to_typed_errors(
     err = load_error(RuntimeError(message), _Capture(*lines), args)  # type: ignore[arg-type]
     assert type(err) is error
     assert phrase in str(err)
+
+
+# What vLLM's processes print when a worker fails: each traceback line is a log record of its own.
+_WORKER = "(Worker pid=11177) ERROR 12-01 08:01:44 [multiproc_executor.py:953] "
+_CORE = "(EngineCore pid=11121) ERROR 12-01 08:01:47 [core.py:1510] "
+FAILED_START = (
+    "(Worker pid=11177) WARNING 12-01 08:01:44 [cpu_worker.py:114] libtcmalloc is not found in LD_PRELOAD.",
+    _WORKER + "WorkerProc failed to start.",
+    _WORKER + "Traceback (most recent call last):",
+    _WORKER + '  File "/venv/vllm/v1/executor/multiproc_executor.py", line 920, in worker_main',
+    _WORKER + "    worker = WorkerProc(*args, **kwargs)",
+    _WORKER + "             ^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+    _WORKER + "  [Previous line repeated 1 more time]",
+    _WORKER + "RuntimeError: start (0) + length (512) exceeds dimension size (256).",
+    _CORE + "EngineCore failed to start.",
+    _CORE + "Traceback (most recent call last):",
+    _CORE + '  File "/venv/vllm/v1/engine/core.py", line 1482, in run_engine_core',
+    _CORE + "    raise e from None",
+    _CORE + "Exception: WorkerProc initialization failed due to an exception in a background process.",
+    "Process EngineCore:",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.11/multiprocessing/process.py", line 314, in _bootstrap',
+    "    self.run()",
+    "Exception: WorkerProc initialization failed due to an exception in a background process.",
+    "/venv/vllm/triton_utils/dispatcher.py:138: FutureWarning: `torch.distributed.reduce_op` is deprecated",
+)  # fmt: skip
+
+
+def test_load_errors_quote_the_engines_causes_not_traceback_text() -> None:
+    exc = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    err = load_error(exc, _Capture(*FAILED_START), {"model": "m"})  # type: ignore[arg-type]
+    assert type(err) is ModelLoadError
+    quoted = str(err).splitlines()[1:]
+    assert quoted[:4] == [
+        "  WorkerProc failed to start.",
+        "  RuntimeError: start (0) + length (512) exceeds dimension size (256).",
+        "  EngineCore failed to start.",
+        "  Exception: WorkerProc initialization failed due to an exception in a background process.",
+    ]  # the repeated exception line once
+    text = str(err)
+    for fragment in ("Traceback", 'File "', "^^^", "worker = WorkerProc", "raise e", "Warning", "pid="):
+        assert fragment not in text
+    assert "unillm.vllm.engine" in text  # where the whole output is
+
+
+def test_the_architecture_refusal_drops_vllms_list_of_every_architecture() -> None:
+    exc = ValueError(
+        "Model architectures ['NoSuch'] are not supported for now. Supported architectures: "
+        "dict_keys(['AfmoeForCausalLM', 'LlamaForCausalLM']) [type=value_error]"
+    )
+    err = load_error(exc, _Capture(), {"model": "m"})  # type: ignore[arg-type]
+    assert type(err) is ModelFormatError
+    assert "['NoSuch'] are not supported" in str(err) and "LlamaForCausalLM" not in str(err)
+
+
+# ---- a closed engine ----
+
+
+def test_every_method_of_a_never_loaded_engine_raises_engine_closed(tiny: TinyModel) -> None:
+    eng = VLLMEngine(model=str(tiny.hf_dir))
+    hello = [{"role": "user", "content": "hi"}]
+    calls = {
+        "kv_stats": eng.kv_stats,
+        "tokenize": lambda: eng.tokenize("hi"),
+        "detokenize": lambda: eng.detokenize([1]),
+        "render_chat": lambda: eng.render_chat(hello),
+        "chat": lambda: eng.chat(hello),
+        "reset": eng.reset,
+        "generate": lambda: eng.generate("hi"),
+        "stream": lambda: eng.stream("hi"),
+        "agenerate": lambda: asyncio.run(eng.agenerate("hi")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(EngineClosed):
+            call()
+            pytest.fail(f"{name} did not raise")
+    eng.close()  # closing an engine that never loaded is a no-op
 
 
 # ---- runtime pieces ----
@@ -253,17 +416,18 @@ def test_output_capture_logs_child_output_without_feeding_back(caplog: pytest.Lo
     engine_log.addHandler(loud)
     capture = OutputCapture()
     try:
-        with caplog.at_level(logging.INFO, logger="unillm.vllm.engine"), capture.redirect():
-            code = (
-                "import sys\nfor i in range(3000): print('INFO line', i)\n"
-                "print('WARNING last', file=sys.stderr)"
-            )
-            subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-        capture.stop(timeout=10)
+        with caplog.at_level(logging.DEBUG, logger="unillm.vllm.engine"):
+            with capture.redirect():
+                code = (
+                    "import sys\nfor i in range(3000): print('INFO line', i)\n"
+                    "print('WARNING last', file=sys.stderr)"
+                )
+                subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+            capture.stop(timeout=10)  # drains the pipe: the last lines are logged by now
     finally:
         engine_log.removeHandler(loud)
     messages = [r.getMessage() for r in caplog.records if r.name == "unillm.vllm.engine"]
     assert "INFO line 2999" in messages
     warning = next(r for r in caplog.records if r.getMessage() == "WARNING last")
-    assert warning.levelno == logging.WARNING
+    assert warning.levelno == logging.DEBUG  # the engine's warnings are about vLLM, not the caller
     assert capture.tail(1) == ["WARNING last"]

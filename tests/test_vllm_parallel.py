@@ -344,12 +344,54 @@ def test_explicit_mp_is_passed_on_without_the_default_note() -> None:
 # -- CPU ---------------------------------------------------------------------------------------
 
 
-def test_cpu_sizes_split_cores_and_ignore_gpu_counts() -> None:
-    p = plan(device="cpu", hardware=LAPTOP, tensor_parallel_size=2, pipeline_parallel_size=2)
-    assert sizes(p) == (2, 2, 1)
-    assert noted(p, "on CPU the parallel sizes split the cores, not devices", "4 processes")
-    assert not noted(p, "'mp'")
+def test_cpu_tp_splits_the_cores_into_mp_ranks() -> None:
+    p = plan(device="cpu", hardware=LAPTOP, tensor_parallel_size=2, cpu_ids=range(8))
+    assert sizes(p) == (2, 1, 1)
+    assert p.distributed_executor == "mp"  # vLLM could pick Ray, which its CPU platform refuses
+    assert p.cpu_threads_bind == "0-3|4-7"
+    assert p.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}
+    assert p.engine_args()["distributed_executor_backend"] == "mp"
+    assert noted(p, "on CPU tensor parallelism splits the cores", "2 worker processes", "cores 0-3 | 4-7")
     assert plan(device="cpu", hardware=LAPTOP, model=LLAMA_70B) == ParallelPlan()  # no GPU to fit
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "bind"),
+    [
+        (2, [0, 1], "0|1"),  # the measured layout of a 2-core machine
+        (2, [0, 1, 2], "0|1"),  # the odd core stays free for the serving process
+        (4, range(16), "0-3|4-7|8-11|12-15"),
+        (2, [0, 2, 4, 6, 8, 9], "0,2,4|6,8-9"),  # an affinity mask with holes
+    ],
+)
+def test_cpu_binding_gives_each_rank_its_own_cores(ranks: int, cores: Any, bind: str) -> None:
+    p = plan(device="cpu", hardware=None, model=None, tensor_parallel_size=ranks, cpu_ids=cores)
+    assert p.cpu_threads_bind == bind
+
+
+def test_cpu_binding_is_left_alone_without_cores_or_ranks() -> None:
+    assert plan(device="cpu", hardware=None, tensor_parallel_size=2).engine_env() == {}
+    assert plan(device="cpu", hardware=None, cpu_ids=range(4)).engine_env() == {}  # tp=1: vLLM's own
+
+
+def test_cpu_tp_above_the_cores_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"needs a core per rank, and this process may use 1: use at most"):
+        plan(device="cpu", hardware=None, model=None, tensor_parallel_size=2, cpu_ids=[0])
+
+
+def test_cpu_refuses_pipeline_stages_and_ray_saying_what_works() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan(device="cpu", hardware=LAPTOP, pipeline_parallel_size=2)
+    msg = str(info.value)
+    assert "pipeline_parallel_size=2 does not run on vLLM's CPU build" in msg
+    assert "KeyError" in msg and "tensor_parallel_size=N" in msg and "'mp'" in msg
+    with pytest.raises(ConfigError) as info:
+        plan(device="cpu", hardware=LAPTOP, tensor_parallel_size=2, distributed_executor="ray")
+    msg = str(info.value)
+    assert "does not support ray" in msg and "tensor_parallel_size=N" in msg
+    # the same layouts stay open on GPUs
+    assert sizes(plan(pipeline_parallel_size=2)) == (1, 2, 1)
+    assert plan(tensor_parallel_size=2, distributed_executor="ray").distributed_executor == "ray"
 
 
 def test_cpu_still_checks_the_model() -> None:
@@ -362,3 +404,11 @@ def test_num_gpus_on_cpu_points_to_the_sizes() -> None:
         ConfigError, match=r"num_gpus counts GPUs, but the device is 'cpu': set tensor_parallel"
     ):
         plan(device="cpu", hardware=LAPTOP, num_gpus=2)
+
+
+def test_cpu_binding_is_vllms_own_with_a_numa_node_per_rank() -> None:
+    p = plan(device="cpu", hardware=None, tensor_parallel_size=2, cpu_ids=range(64), numa_nodes=2)
+    assert p.cpu_threads_bind is None and p.engine_env() == {}
+    assert noted(p, "a NUMA node each (vLLM's own binding)")
+    one_node = plan(device="cpu", hardware=None, tensor_parallel_size=2, cpu_ids=range(64), numa_nodes=1)
+    assert one_node.cpu_threads_bind == "0-31|32-63"  # vLLM's "auto" asserts a node per rank

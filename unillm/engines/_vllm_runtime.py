@@ -147,8 +147,6 @@ def stat_logger_factory(numbers: KVNumbers) -> Callable[..., Any]:
 
 # ---- the engine processes' output, into logging ----
 
-_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
-
 
 class OutputCapture:
     """Sends what vLLM and its engine processes print to the ``unillm.vllm.engine`` logger.
@@ -156,8 +154,10 @@ class OutputCapture:
     vLLM starts its engine core (and workers) as child processes that print to the stdout and
     stderr they inherit. While ``redirect()`` is active, file descriptors 1 and 2 point into a pipe,
     so the processes started then write there for as long as they live; a reader thread turns each
-    line into a log record at the level the line names (INFO when it names none). The last lines
-    are kept for error messages. Lines read while the redirect is on are held and logged after it
+    line into a DEBUG record, whatever level the line names: vLLM's warnings (a missing tcmalloc,
+    Triton, each worker's weight-loading lines) are about vLLM, not about the caller's program,
+    and what matters from them reaches the caller as the cause lines of a typed error. The last
+    lines are kept for those error messages. Lines read while the redirect is on are held and logged after it
     ends: a log handler writing to stderr then would write into the pipe it is draining.
     """
 
@@ -240,11 +240,9 @@ class OutputCapture:
         line = raw.decode("utf-8", "replace").rstrip()
         if not line:
             return
-        m = _LEVEL.search(line)
-        level = getattr(logging, m.group(1)) if m else logging.INFO
         with self._lock:
             self.lines.append(line)
             if self._held is not None:
-                self._held.append((level, line))
+                self._held.append((logging.DEBUG, line))
                 return
-        engine_log.log(level, "%s", line)
+        engine_log.debug("%s", line)

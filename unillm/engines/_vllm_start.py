@@ -4,11 +4,13 @@ processes' output captured, and start-up failures mapped to unillm's errors."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from unillm._errors import (
@@ -21,7 +23,7 @@ from unillm._errors import (
 )
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, OutputCapture, stat_logger_factory
 
-__all__ = ["VLLMModules", "import_vllm", "load_error", "quiet_vllm_logger", "start"]
+__all__ = ["VLLMModules", "cause_lines", "import_vllm", "load_error", "quiet_vllm_logger", "start"]
 
 
 class VLLMModules:
@@ -78,8 +80,10 @@ def start(
     capture: OutputCapture,
     numbers: KVNumbers,
     version: str | None,
+    env: Mapping[str, str] | None = None,
 ) -> Any:
-    """Create the AsyncLLM on the engine loop, the engine processes writing into ``capture``."""
+    """Create the AsyncLLM on the engine loop, the engine processes writing into ``capture`` and
+    started with ``env`` added to their environment."""
     fields = {f.name for f in dataclasses.fields(vllm.AsyncEngineArgs)}
     unknown = sorted(set(args) - fields)
     if unknown:
@@ -95,42 +99,111 @@ def start(
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        with capture.redirect():
+        with capture.redirect(), _environment(env or {}):
             return loop.call(create())
     except Exception as exc:
         raise load_error(exc, capture, args) from exc
 
 
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` while the engine processes start (they copy it when spawned), the
+    caller's environment as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# The prefixes vLLM puts before each line: the process ("(EngineCore_DP0 pid=123) ") and the log
+# record's head ("ERROR 11-30 10:00:00 [core.py:700] ").
+_PREFIX = re.compile(
+    r"^(?:\([\w.-]+(?: [\w.-]+=[\w.-]+)*\)\s+)?"
+    r"(?:(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d\s+[\d:.]+\s+\[[^\]]*\]\s?)?"
+)
+# Not causes: Python traceback text (the header, the chaining sentences, caret lines; the
+# ``File ...`` and code lines are indented), torch's C++ warnings ("[W1201 08:01:44.44 utils.cpp:68]
+# Warning: ...") and Python warnings ("path.py:138: FutureWarning: ...").
+_NOT_CAUSE = re.compile(
+    r"^(?:Traceback \(most recent call last\)|The above exception was the direct cause|"
+    r"During handling of the above exception|[\^~\s]*$|\[W\d{4} |\S+:\d+: \w*Warning: )"
+)
+_CAUSE = re.compile(r"error|exception|memory|not supported|failed|killed", re.IGNORECASE)
+# What an engine says when memory ran out; nothing else makes a start failure OutOfMemory.
+_OOM = re.compile(
+    r"out of memory|OutOfMemoryError|MemoryError|cannot allocate memory|not enough memory|"
+    r"insufficient memory|larger than the available KV cache memory|no available memory for the cache|"
+    r"std::bad_alloc",
+    re.IGNORECASE,
+)
+# vLLM lists every architecture it knows after the one it refuses: hundreds of names.
+_ARCH_LIST = re.compile(r"\s*Supported architectures: dict_keys\(\[.*?\]\)", re.DOTALL)
+
+
+def cause_lines(lines: Iterable[str], n: int = 6) -> list[str]:
+    """The last ``n`` distinct lines of ``lines`` that state a cause, prefixes stripped: the
+    engine's error records and the exception lines it printed, without Python traceback text or
+    warnings (vLLM logs each traceback line as a record of its own, so lines are judged one by
+    one)."""
+    out: list[str] = []
+    for raw in lines:
+        m = _PREFIX.match(raw)
+        if m is not None and m.group("level") in ("DEBUG", "INFO", "WARNING"):
+            continue
+        line = raw[m.end() if m else 0 :].rstrip()
+        if not line or line[0].isspace() or _NOT_CAUSE.match(line) or not _CAUSE.search(line):
+            continue
+        if line in out:
+            out.remove(line)
+        out.append(line)
+    return out[-n:]
+
+
 def load_error(exc: Exception, capture: OutputCapture, args: Mapping[str, Any]) -> UnillmError:
-    text = f"{type(exc).__name__}: {exc}"
-    lines = capture.tail(6, matching=r"error|exception|memory|not supported|raise")
+    """The unillm error for a failed start: its type from what the engine said (its exception and
+    the cause lines its processes printed), its message quoting those lines."""
+    text = _ARCH_LIST.sub("", f"{type(exc).__name__}: {exc}")
+    lines = [ln for ln in cause_lines(capture.tail(200)) if ln not in text]
     quoted = "".join(f"\n  {ln}" for ln in lines)
-    joined = f"{text}\n{quoted}".lower()
+    joined = f"{text}\n{quoted}"
+    low = joined.lower()
     model = args.get("model")
-    if "architecture" in joined and ("not supported" in joined or "are not supported" in joined):
-        return ModelFormatError(f"vLLM does not support the architecture of {model!r}: {exc}{quoted}")
-    if "quantization" in joined and ("not supported" in joined or "unknown" in joined):
+    if "architecture" in low and "not supported" in low:
+        return ModelFormatError(f"vLLM does not support the architecture of {model!r}: {text}{quoted}")
+    if "quantization" in low and ("not supported" in low or "unknown" in low):
         return ModelFormatError(f"vLLM cannot run the quantization of {model!r} here: {exc}{quoted}")
-    if "max_model_len" in joined or "max model len" in joined or "max seq len" in joined:
-        if "kv cache" in joined or "memory" in joined:
+    oom = _OOM.search(joined) is not None
+    if "max_model_len" in low or "max model len" in low or "max seq len" in low:
+        if oom:
             return OutOfMemory(
                 f"the KV cache cannot hold one sequence of max_model_len={args.get('max_model_len')}: "
                 f"lower context_length, or give vLLM more memory (gpu_memory_utilization, "
                 f"kv_cache_memory_bytes).{quoted or ' ' + text}"
             )
         return ConfigError(f"vLLM refuses max_model_len={args.get('max_model_len')}: {exc}{quoted}")
-    if "out of memory" in joined or "memory" in joined:
+    if oom:
         return OutOfMemory(
             f"vLLM ran out of memory starting the engine: lower context_length or max_num_seqs, or "
             f"use a smaller model or a quantized KV cache (kv_cache_dtype='fp8').{quoted or ' ' + text}"
         )
-    return ModelLoadError(f"vLLM failed to start the engine for {model!r}: {text}{quoted}")
+    return ModelLoadError(
+        f"vLLM failed to start the engine for {model!r}: {text}{quoted}\n"
+        "The engine's full output is on the 'unillm.vllm.engine' logger (level DEBUG)."
+    )
 
 
 def quiet_vllm_logger() -> None:
     """After start-up, vLLM's own log records in this process go to logging (the application's
-    handlers), not straight to stdout."""
+    handlers), not straight to stdout; a NullHandler keeps logging's last-resort handler from
+    printing its warnings to stderr when the application configured none."""
     vlog = logging.getLogger("vllm")
     for handler in list(vlog.handlers):
         vlog.removeHandler(handler)
+    vlog.addHandler(logging.NullHandler())
     vlog.propagate = True

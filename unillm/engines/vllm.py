@@ -680,7 +680,8 @@ def _weights_dtype(path: Path, info: Any) -> tuple[str, str]:
     if fmt != "safetensors":
         return "auto", f"{fmt} weights: vLLM picks the activation dtype its {fmt} kernels take"
     config = _read_json(path / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    inner = config.get("text_config")
+    text: dict[str, Any] = inner if isinstance(inner, dict) else {}
     for src, key in ((config, "torch_dtype"), (config, "dtype"), (text, "torch_dtype"), (text, "dtype")):
         name = src.get(key)
         if isinstance(name, str):
