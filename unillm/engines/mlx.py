@@ -250,7 +250,8 @@ class MLXEngine(Engine[MLXOptions]):
     def _stream_batched(
         self, ids: list[int], params: SamplingParams, req: Request
     ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
-        assert self._batcher is not None
+        batcher = self._batcher  # close() drops the attribute while this stream may still run
+        assert batcher is not None
         req.prompt_tokens = len(ids)
         cache, cached = self._take_saved(ids)
         req.cached_tokens = cached
@@ -259,7 +260,7 @@ class MLXEngine(Engine[MLXOptions]):
         max_tokens = params.max_tokens
         if self.options.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
-        live = self._batcher.submit_prompt(
+        live = batcher.submit_prompt(
             ids[cached:],
             max_tokens=max_tokens,
             sampler=self._sampler(params),
@@ -306,7 +307,7 @@ class MLXEngine(Engine[MLXOptions]):
         finally:
             self._inflight.pop(key, None)
             if not finished:
-                self._batcher.cancel(live)
+                batcher.cancel(live)
             req.peak_memory_bytes = int(self._mx.get_peak_memory())
 
     def _save(self, r: Any) -> None:
