@@ -40,7 +40,7 @@ _LAZY = {
     "Engine": "unillm._engine",
     "NoOptions": "unillm._engine",
     "Request": "unillm._engine",
-    "UnillmWarning": "unillm._engine",
+    "UnillmWarning": "unillm._errors",
     "backends": "unillm._plugins",
     "Registry": "unillm._plugins",
     "BackendInfo": "unillm._plugins",
@@ -130,7 +130,7 @@ if TYPE_CHECKING:
 
     from unillm._auto import auto_engine, load_engine
     from unillm._config import read_config
-    from unillm._engine import Engine, NoOptions, Request, UnillmWarning
+    from unillm._engine import Engine, NoOptions, Request
     from unillm._errors import (
         BackendUnavailable,
         ConfigError,
@@ -144,6 +144,7 @@ if TYPE_CHECKING:
         OutOfMemory,
         PluginError,
         UnillmError,
+        UnillmWarning,
         UnknownBackend,
         UnsupportedParameter,
     )

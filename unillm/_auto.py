@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm._config import read_config
-from unillm._engine import UnillmWarning
 from unillm._errors import (
     BackendUnavailable,
     ModelFormatError,
@@ -23,6 +21,7 @@ from unillm._errors import (
     ModelNotFound,
     NoSuitableBackend,
     OutOfMemory,
+    warn,
 )
 from unillm._hardware import Hardware, detect_hardware
 from unillm._inspect import ModelInfo, inspect_model
@@ -114,7 +113,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
             problems = [p for p in problems if "does not read" not in p]
         if problems:
             note = f"{cls.name} was asked for, but the selector sees a problem: {'; '.join(problems)}"
-            warnings.warn(f"{note}; loading it anyway", UnillmWarning, stacklevel=3)
+            warn(f"{note}; loading it anyway")
             selection.steps.append(note)
     else:
         # One selection per format the model is held in (a directory may hold an HF directory and

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import threading
-import warnings
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -28,7 +27,9 @@ from unillm._errors import (
     EngineClosed,
     GenerationError,
     UnillmError,
+    UnillmWarning,
     UnsupportedParameter,
+    warn,
 )
 from unillm._stop import StopMatcher
 from unillm._types import (
@@ -56,10 +57,6 @@ __all__ = ["Engine", "NoOptions", "Request", "UnillmWarning"]
 Prompt = str | Sequence[int]
 Messages = Sequence[ChatMessage | Mapping[str, Any]]
 P = TypeVar("P")
-
-
-class UnillmWarning(UserWarning):
-    """Warnings unillm emits about misuse (dropped parameters, skipped plugins)."""
 
 
 class NoOptions(BaseModel):
@@ -450,11 +447,7 @@ class Engine(Generic[P]):
         if policy == "strict":
             raise UnsupportedParameter(self.name, unsupported)
         if policy == "warn":
-            warnings.warn(
-                f"{self.name} ignores {', '.join(unsupported)} (unsupported_params='warn')",
-                UnillmWarning,
-                stacklevel=3,
-            )
+            warn(f"{self.name} ignores {', '.join(unsupported)} (unsupported_params='warn')")
         fields = SamplingParams.model_fields
         return sp.model_copy(update={n: fields[n].default for n in unsupported})
 
@@ -784,4 +777,3 @@ def check_token_ids(ids: Any, vocab: int | None) -> list[int]:
         if bad:
             raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
     return out
-

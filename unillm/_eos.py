@@ -70,7 +70,8 @@ def eos_from_hf_dir(directory: str | Path, *, to_id: ToId | None, vocab_size: in
     """The declared set of an HF model directory (``config.json`` and its neighbours)."""
     d = Path(directory)
     gen, cfg, tok = (_json(d / n) for n in ("generation_config.json", "config.json", "tokenizer_config.json"))
-    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    sub = cfg.get("text_config")
+    text_cfg: dict[str, Any] = sub if isinstance(sub, dict) else {}
     eos_token = tok.get("eos_token")
     if isinstance(eos_token, dict):  # {"content": "<|im_end|>", "special": true, ...}
         eos_token = eos_token.get("content")

@@ -23,7 +23,10 @@ Every message says what to do next. Engine exceptions are translated at the back
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,8 +45,10 @@ __all__ = [
     "OutOfMemory",
     "PluginError",
     "UnillmError",
+    "UnillmWarning",
     "UnknownBackend",
     "UnsupportedParameter",
+    "warn",
 ]
 
 
@@ -172,3 +177,21 @@ class PluginError(UnillmError):
             f"plugin {plugin!r} failed and was skipped: {reason}. Reinstall or upgrade it, or "
             "uninstall it; `unillm doctor` lists plugin failures."
         )
+
+
+class UnillmWarning(UserWarning):
+    """Warnings unillm emits about misuse (dropped parameters, skipped plugins)."""
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def warn(message: str, category: type[Warning] = UnillmWarning) -> None:
+    """``warnings.warn`` pointing at the caller's line: the first frame outside unillm, however
+    deep inside unillm the warning is raised (a fixed ``stacklevel`` points at unillm itself when
+    ``generate`` calls ``stream``)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

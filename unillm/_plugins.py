@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import warnings
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from unillm import hookspecs
-from unillm._errors import ConfigError, PluginError, UnknownBackend
+from unillm._errors import ConfigError, PluginError, UnknownBackend, warn
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
@@ -140,9 +139,8 @@ class Registry:
     def _fail(self, plugin: str, reason: str) -> None:
         failure = PluginFailure(plugin, reason)
         self.failures.append(failure)
-        from unillm._engine import UnillmWarning
 
-        warnings.warn(str(PluginError(plugin, reason)), UnillmWarning, stacklevel=4)
+        warn(str(PluginError(plugin, reason)))
 
     # ---- queries ----
 

@@ -3,6 +3,7 @@ package, a GPU), prompt validation, and the shared-prefix count for KV-cache reu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -41,10 +42,8 @@ def installed(*packages: tuple[str, str], hint: str) -> Availability:
     for module, dist in packages:
         if importlib.util.find_spec(module) is None:
             return Availability(False, f"{dist} is not installed", hint)
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions.append((dist, importlib.metadata.version(dist)))
-        except importlib.metadata.PackageNotFoundError:
-            pass
     if not versions:
         return Availability(True)
     if len(packages) == 1:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unillm._chat import compile_error, compile_error_types
 from unillm._engine import Engine, Request
 from unillm._eos import eos_from_gguf_metadata
 from unillm._errors import (
@@ -184,6 +185,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         with _LlamaLog(llama_cpp) as log:
             try:
                 llm = llama_cpp.Llama(model_path=str(self._path), **kwargs)
+            except compile_error_types() as exc:  # Llama() compiles the file's chat templates
+                raise compile_error(exc, str(self._path), loader="llama-cpp-python") from exc
             except (ValueError, RuntimeError, OSError) as exc:
                 raise _load_error(exc, log.text(), header, self.config.model) from exc
         self._llm: Llama = llm
@@ -428,7 +431,12 @@ def _kv_bytes_per_token(h: GGUFHeader, bytes_per_element: float) -> int | None:
         embd // heads if isinstance(embd, int) and isinstance(heads, int) and heads else None
     )
     v_len = h.arch_value("attention.value_length") or k_len
-    if not all(isinstance(v, int) for v in (layers, kv_heads, k_len, v_len)):
+    if not (
+        isinstance(layers, int)
+        and isinstance(kv_heads, int)
+        and isinstance(k_len, int)
+        and isinstance(v_len, int)
+    ):
         return None
     return round(layers * kv_heads * (k_len + v_len) * bytes_per_element)
 
