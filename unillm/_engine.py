@@ -361,7 +361,10 @@ class Engine(Generic[P]):
                 f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
                 "template) in the engine config, or use generate() with a plain prompt"
             )
-        return render_chat_template(template, msgs, add_generation_prompt=add_generation_prompt, **special)
+        source = "the engine config's chat_template" if self.config.chat_template else self.config.model
+        return render_chat_template(
+            template, msgs, add_generation_prompt=add_generation_prompt, source=source, **special
+        )
 
     def stream_chat(
         self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any

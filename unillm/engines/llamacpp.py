@@ -14,12 +14,13 @@ from __future__ import annotations
 import codecs
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from unillm._chat import compile_error, compile_error_types
+from unillm._chat import check_chat_template, compile_error, compile_error_types
 from unillm._engine import Engine, Request
 from unillm._eos import eos_from_gguf_metadata
 from unillm._errors import (
@@ -182,7 +183,10 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         if opts.seed is not None:
             kwargs["seed"] = opts.seed
 
-        with _LlamaLog(llama_cpp) as log:
+        template = header.metadata.get("tokenizer.chat_template")
+        if self.config.chat_template is None and isinstance(template, str):
+            check_chat_template(template, source=str(self._path))  # a broken one fails at load
+        with _LlamaLog(llama_cpp) as log, _no_chat_handlers(llama_cpp):
             try:
                 llm = llama_cpp.Llama(model_path=str(self._path), **kwargs)
             except compile_error_types() as exc:  # Llama() compiles the file's chat templates
@@ -494,6 +498,33 @@ def _eval_error(exc: Exception) -> Exception:
     from unillm._errors import GenerationError
 
     return GenerationError(f"llama.cpp failed to evaluate the prompt: {text}")
+
+
+@contextmanager
+def _no_chat_handlers(llama_cpp: Any) -> Iterator[None]:
+    """Keep ``Llama()`` from compiling the GGUF's chat templates into chat handlers unillm never
+    uses: llama-cpp-python compiles them in an environment that folds constant expressions, so a
+    template like ``{{ 10 ** (10 ** 10) }}`` in a downloaded file would hang the load. unillm
+    renders templates itself, bounded (unillm._chat). Swapped only while ``Llama()`` runs, under
+    ``_LlamaLog``'s lock, which serializes loads."""
+    fmt = llama_cpp.llama_chat_format
+    real = fmt.Jinja2ChatFormatter
+
+    class _Unused:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def to_chat_handler(self) -> Any:
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("unillm renders chat templates itself; use engine.chat()")
+
+            return refuse
+
+    fmt.Jinja2ChatFormatter = _Unused
+    try:
+        yield
+    finally:
+        fmt.Jinja2ChatFormatter = real
 
 
 class _LlamaLog:

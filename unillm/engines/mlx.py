@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unillm._chat import check_chat_template
 from unillm._engine import Engine, Request
 from unillm._eos import eos_from_hf_dir
 from unillm._errors import (
@@ -140,6 +141,9 @@ class MLXEngine(Engine[MLXOptions]):
         trained = config.get("max_position_embeddings") or config.get("max_seq_len")
         limit = trained if isinstance(trained, int) and trained > 0 else _DEFAULT_CONTEXT
         self._n_ctx = min(self.config.context_length or limit, limit)
+        template = self._chat_template()
+        if self.config.chat_template is None and template is not None:
+            check_chat_template(template, source=str(path))  # a broken one fails at load
         self.vocab_size = config.get("vocab_size") or len(tokenizer)
         # the model's declared end-of-sequence set (unillm._eos), the same on every backend
         self.eos_token_ids = eos_from_hf_dir(path, to_id=self._one_token, vocab_size=self.vocab_size)
