@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 import struct
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from unillm import ModelFormatError, ModelNotFound, detect_format
+from unillm import ModelFormatError, ModelNotFound, _inspect, detect_format
 from unillm._inspect import GGML_BLOCKS, inspect_model, read_gguf_header
 from unillm.testing import SIZES, TinyModel
 
@@ -238,6 +239,65 @@ def test_sparse_40gb_gguf_is_inspected_from_its_header(tmp_path: Path) -> None:
     assert info.parameters == pytest.approx(20e9, rel=0.01)
 
 
+VOCAB, MERGES = 150_000, 100_000
+
+
+@pytest.fixture(scope="module")
+def big_vocab_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GGUF laid out as llama.cpp's converter and quantizer write one: a 150k-token vocabulary and
+    100k merges, keys after them (quantize appends general.file_type last), tiny tensors."""
+    path = tmp_path_factory.mktemp("vocab") / "big-vocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in LLAMA_KV.items():
+        w.add_uint32(key.replace("{arch}", "llama"), value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}" for i in range(VOCAB)])
+    w.add_token_merges([f"t{i} k{i}" for i in range(MERGES)])
+    w.add_bos_token_id(1)
+    w.add_chat_template("{{ messages }}")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    for name, shape, ttype in llama_tensors(8):
+        per_block, block_bytes = GGML_BLOCKS[ttype]
+        raw = np.zeros((*shape[:-1], shape[-1] // per_block * block_bytes), dtype=np.uint8)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(ttype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _fastest(fn: Callable[[], object], calls: int) -> float:
+    """The fastest of ``calls`` calls: the least disturbed by a busy machine."""
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_a_150k_vocabulary_costs_little_more_than_the_tiny_model(
+    tiny: TinyModel, big_vocab_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Selection needs the vocabulary's length, not its strings: the first read walks the strings'
+    length prefixes in memory (no read per string), a second read of the same file jumps them."""
+    monkeypatch.setattr(_inspect, "_STRING_RUNS", {})
+    t0 = time.perf_counter()
+    info = inspect_model(big_vocab_gguf)
+    assert time.perf_counter() - t0 < 1.0  # once ~0.25 s: a read and a seek per string
+    assert info.vocab_size == VOCAB and info.quantization == "Q8_0" and info.layers == 2
+    assert info.parameters == 512 * 256 + 2 * (256 * 256 + 256)
+    assert not _inspect._STRING_RUNS  # a file written seconds ago may still change
+    monkeypatch.setattr(_inspect, "_SETTLED_S", 0.0)  # as if written a while ago
+    assert inspect_model(big_vocab_gguf) == info
+    assert len(_inspect._STRING_RUNS) == 2  # the vocabulary and the merges
+    assert inspect_model(big_vocab_gguf) == info
+    tiny_s = _fastest(lambda: inspect_model(tiny.gguf_path), 50)
+    big_s = _fastest(lambda: inspect_model(big_vocab_gguf), 50)
+    assert big_s < 10 * tiny_s, (big_s, tiny_s)
+
+
 # ---- Hugging Face directories ----------------------------------------------------------------
 
 
@@ -427,6 +487,11 @@ def _safetensors_bytes(header: bytes, length: int | None = None, payload: bytes 
     return struct.pack("<Q", len(header) if length is None else length) + header + payload
 
 
+def _st_entry(shape: bytes) -> bytes:
+    """A header of one F32 tensor of ``shape`` whose data is 4 bytes (the payload's size)."""
+    return b'{"w": {"dtype": "F32", "shape": ' + shape + b', "data_offsets": [0, 4]}}'
+
+
 _DEEP = b"[" * 200_000 + b"]" * 200_000
 _GGUF_CASES: dict[str, bytes] = {
     "wrong magic": b"GGUG" + bytes(60),
@@ -458,11 +523,46 @@ _ST_CASES: dict[str, bytes] = {
         b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', payload=bytes(4)
     ),
     "entry not a dict": _safetensors_bytes(b'{"w": 3}'),
+    # a list as a dimension once multiplied into a list of 10^8 items, then raised TypeError
+    "nested shape": _safetensors_bytes(_st_entry(b"[[1], 100000000]")),
+    "nested shape, 2^40": _safetensors_bytes(_st_entry(b"[[1], 1099511627776]")),  # once MemoryError
+    "bool dimension": _safetensors_bytes(_st_entry(b"[true, 4]")),
+    "float dimension": _safetensors_bytes(_st_entry(b"[4.0]")),
+    "string dimension": _safetensors_bytes(_st_entry(b'["4"]')),
+    "product over 2^50": _safetensors_bytes(_st_entry(b"[1048576, 1048576, 1048576]")),
+    "too many dimensions": _safetensors_bytes(_st_entry(b"[1, 1, 1, 1, 1, 1, 1, 1, 1]")),
+    "nested offsets": _safetensors_bytes(
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [[0], [4]]}}'
+    ),
+    "bool offsets": _safetensors_bytes(
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [false, true]}}'
+    ),
+    "negative offset": _safetensors_bytes(b'{"w": {"dtype": "F32", "shape": [0], "data_offsets": [-4, 0]}}'),
+    "span unlike the shape": _safetensors_bytes(_st_entry(b"[1024]"), payload=bytes(4)),
+    "dtype not a string": _safetensors_bytes(b'{"w": {"dtype": 7, "shape": [1], "data_offsets": [0, 4]}}'),
+    "huge integer": _safetensors_bytes(_st_entry(b"[1" + b"0" * 5000 + b"]")),
+    "NaN dimension": _safetensors_bytes(_st_entry(b"[NaN]")),
+    "Infinity in the metadata": _safetensors_bytes(
+        b'{"__metadata__": {"a": Infinity}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+        payload=bytes(4),
+    ),
+    "float overflowing": _safetensors_bytes(_st_entry(b"[1e999]")),
+    "not UTF-8": _safetensors_bytes(b'{"\xff": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'),
 }
 _CONFIG_CASES: dict[str, tuple[str, bytes]] = {
     "deep config": ("config.json", b'{"a": ' + _DEEP + b"}"),
     "config not an object": ("config.json", b"[]"),
     "config not json": ("config.json", b"\xff\xfe{"),
+    "config not UTF-8": ("config.json", b'{"model_type": "caf\xe9"}'),
+    "config in UTF-16": ("config.json", json.dumps(BASE).encode("utf-16")),
+    "config a string": ("config.json", b'"llama"'),
+    "config a number": ("config.json", b"7"),
+    "config with a 5000-digit int": ("config.json", b'{"vocab_size": 1' + b"0" * 5000 + b"}"),
+    "config with a 5000-digit float": ("config.json", b'{"eps": 0.' + b"1" * 5000 + b"}"),
+    "config nested 100k deep in an object": (
+        "config.json",
+        b'{"a": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001,
+    ),
     "deep index": ("model.safetensors.index.json", b'{"weight_map": ' + _DEEP + b"}"),
     "index escapes": ("model.safetensors.index.json", b'{"weight_map": {"w": "../../etc/passwd"}}'),
     "index without map": ("model.safetensors.index.json", b'{"weight_map": []}'),
@@ -525,6 +625,54 @@ def test_safetensors_header_over_100_mb_is_refused_unread(tmp_path: Path) -> Non
     finally:
         tracemalloc.stop()
     assert peak < 2**20
+
+
+def test_config_json_over_16_mib_is_refused_unread(tmp_path: Path) -> None:
+    d = write_hf(tmp_path / "big", BASE)
+    with (d / "config.json").open("r+b") as f:
+        f.truncate(17 * 2**20)  # sparse
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match="larger than 16 MiB"):
+            inspect_model(d)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 17 * 2**20  # reads one byte past the cap, never the whole file
+
+
+def test_a_million_digit_int_is_refused_fast_even_with_the_int_guard_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sys.set_int_max_str_digits(0) lifts CPython's guard: converting 10^6 digits then takes seconds
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        d = write_hf(tmp_path / "digits", BASE)
+        (d / "config.json").write_bytes(b'{"vocab_size": ' + b"7" * 1_000_000 + b"}")
+        t0 = time.perf_counter()
+        with pytest.raises(ModelFormatError, match="an integer of 1000000 digits"):
+            inspect_model(d)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def test_json_numbers_real_configs_use_are_read(tmp_path: Path) -> None:
+    config = {**BASE, "rope_theta": 1e6, "eps": 1e-05, "init": 0.02, "model_max_length": 10**30}
+    info = inspect_model(write_hf(tmp_path / "ok", config))
+    assert info.layers == 2 and info.context_length == 8192
+    # not JSON, but what Mamba2 and Nemotron-H configs hold (transformers writes them so)
+    nemotron = {**BASE, "model_type": "nemotron_h", "time_step_limit": [0.0, float("inf")], "x": float("nan")}
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(nemotron))
+    assert b"Infinity" in (tmp_path / "ok" / "config.json").read_bytes()
+    info = inspect_model(tmp_path / "ok")
+    assert info.layers == 2 and info.hybrid_attention
+    for junk in (float("nan"), float("inf"), 1e308 * 10):  # where a number is read: ignored
+        (tmp_path / "ok" / "config.json").write_text(json.dumps({**BASE, "num_hidden_layers": junk}))
+        assert inspect_model(tmp_path / "ok").layers is None
+    (tmp_path / "ok" / "config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(BASE).encode())  # a BOM
+    assert inspect_model(tmp_path / "ok").layers == 2
 
 
 _NESTED: list[Any] = [1]

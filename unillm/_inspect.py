@@ -1,22 +1,31 @@
 """What a model is, read from headers only (never the weights).
 
 ``detect_format`` routes a path to a backend; ``inspect_model`` reads GGUF metadata and tensor
-infos, ``config.json`` and safetensors headers into a ``ModelInfo``. Every file is untrusted: each
-length and count is bounded before anything is allocated, and whatever is corrupt or hostile ends
-in ``ModelFormatError``. The cost depends on the header, never on the size of the weights.
+infos, ``config.json`` and safetensors headers into a ``ModelInfo``. Every path and file is
+untrusted: only regular files are opened (a FIFO or device is refused without blocking), each
+length, count and shape is checked before it is used, the work is bounded by caps that real models
+stay far below, and whatever is corrupt, hostile or unreadable ends in ``ModelFormatError``
+(``ModelNotFound`` only when nothing is there). The cost depends on the header, never on the size
+of the weights.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import re
+import stat
 import struct
+import time
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from unillm._errors import ModelFormatError, ModelNotFound
+from unillm._errors import ModelFormatError, ModelNotFound, UnillmError
 
 __all__ = ["GGUFHeader", "ModelInfo", "detect_format", "inspect_model", "read_gguf_header"]
 
@@ -86,26 +95,26 @@ def inspect_model(path_or_id: str | Path) -> ModelInfo:
     ``.safetensors`` file, a model directory, or a Hugging Face repo id already in the local cache
     (never downloaded). Reads headers only: the cost does not grow with the size of the weights.
     Raises ``ModelNotFound`` for a missing path or uncached id and ``ModelFormatError`` for
-    anything corrupt, hostile or not a model.
+    anything corrupt, hostile, unreadable or not a model.
     """
     p = _resolve(path_or_id)
-    if p.is_file():
+    if _kind(p) == "file":
         if p.suffix == ".safetensors":
-            if (p.parent / "config.json").is_file():
+            if _kind(p.parent / "config.json") == "file":
                 return _inspect_hf(p.parent)
             return _inspect_hf(p.parent, files=[p], config={})
         _file_format(p)  # the magic check and its message
         return _inspect_gguf(p)
-    if (p / "config.json").is_file():
+    if _kind(p / "config.json") == "file":
         return _inspect_hf(p)
-    ggufs = sorted(p.glob("*.gguf"))
+    ggufs = _listing(p, ".gguf")
     models = [g for g in ggufs if not g.name.lower().startswith("mmproj")]
     if models and len({_split_stem(g) for g in models}) == 1:
         info = _inspect_gguf(models[0])
         if len(models) < len(ggufs):  # a vision projector next to the language model
             return _replace(info, multimodal=True)
         return info
-    if not ggufs and list(p.glob("*.safetensors")):
+    if not ggufs and _listing(p, ".safetensors"):
         return _inspect_hf(p, config={})
     return ModelInfo(str(p), detect_format(p))  # raises the directory's ModelFormatError
 
@@ -115,15 +124,16 @@ def detect_format(path: str | Path) -> str:
 
     Raises ``ModelNotFound`` for a missing path and ``ModelFormatError`` for anything unreadable.
     """
-    p = Path(path).expanduser()
-    if not p.exists():
+    p = _expand(path)
+    kind = _kind(p)
+    if kind is None:
         raise ModelNotFound(str(path))
-    if p.is_file():
+    if kind == "file":
         return _file_format(p)
     config = p / "config.json"
-    if config.is_file():
+    if _kind(config) == "file":
         return _config_format(config)
-    ggufs = sorted(p.glob("*.gguf"))
+    ggufs = _listing(p, ".gguf")
     if len(ggufs) == 1:
         return _file_format(ggufs[0])
     raise ModelFormatError(
@@ -134,8 +144,8 @@ def detect_format(path: str | Path) -> str:
 
 
 def _file_format(p: Path) -> str:
-    with p.open("rb") as f:
-        head = f.read(8)
+    with _open(p) as f:
+        head = _read(f, 8, p)
     if head[:4] == GGUF_MAGIC:
         return "gguf"
     if p.suffix == ".gguf":
@@ -150,37 +160,198 @@ def _file_format(p: Path) -> str:
     )
 
 
+# ---- paths and files ------------------------------------------------------------------------
+# A path is untrusted too: it may name nothing, a FIFO (opening one for reading waits for a writer
+# forever), a device, a file this user cannot read, or be too long for the filesystem. Each case
+# is its own message; only "nothing is there" is ModelNotFound.
+
+_NOT_REGULAR = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+_NOTHING_THERE = (FileNotFoundError, NotADirectoryError)
+
+
+def _expand(path: str | Path) -> Path:
+    p = Path(path)
+    try:
+        return p.expanduser()
+    except RuntimeError:  # "~user" naming no user: take the path literally
+        return p
+
+
+def _kind(p: Path) -> str | None:
+    """``"file"`` or ``"dir"`` (symlinks followed); None when nothing is there."""
+    try:
+        mode = p.stat().st_mode
+    except _NOTHING_THERE:
+        return None
+    except OSError as exc:
+        raise _unreadable(p, exc) from exc
+    except ValueError as exc:  # a NUL byte, or a name the filesystem encoding cannot hold
+        raise ModelFormatError(f"{str(p)!r} is not a valid path ({exc}): check the model path") from None
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    raise _not_regular(p, mode)
+
+
+def _not_regular(p: Path, mode: int) -> ModelFormatError:
+    what = _NOT_REGULAR.get(stat.S_IFMT(mode), "not a regular file")
+    return ModelFormatError(
+        f"{str(p)!r} is {what}, not a model file: pass a .gguf file, a .safetensors file or a model directory"
+    )
+
+
+def _unreadable(p: Path, exc: OSError) -> ModelFormatError:
+    if exc.errno == errno.ENAMETOOLONG:
+        why = "the path is too long for the filesystem (names have at most 255 bytes): check it"
+    elif isinstance(exc, PermissionError):
+        why = "permission denied: make it readable for this user (chmod, chown) or run as one who can"
+    elif exc.errno == errno.ELOOP:
+        why = "it is a loop of symbolic links: fix the link"
+    elif exc.errno == errno.EISDIR:
+        why = "it is a directory where a file was expected"
+    else:
+        why = f"{exc.strerror or exc}: check the file and the disk it is on"
+    return ModelFormatError(f"{str(p)!r} cannot be read: {why}")
+
+
+def _open(p: Path) -> FileIO:
+    """``p`` opened for reading, unbuffered, if it is a regular file; never blocks on a FIFO."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(p, flags)
+    except _NOTHING_THERE:
+        raise ModelNotFound(str(p)) from None
+    except OSError as exc:
+        raise _unreadable(p, exc) from exc
+    except ValueError as exc:
+        raise ModelFormatError(f"{str(p)!r} is not a valid path ({exc}): check the model path") from None
+    try:
+        # checked on the open file: the path may have been replaced since it was looked at
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ModelFormatError(f"{str(p)!r} is a directory where a model file was expected")
+        if not stat.S_ISREG(mode):
+            raise _not_regular(p, mode)
+        return FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read(f: FileIO, n: int, p: Path | str) -> bytes:
+    """``n`` bytes, fewer only at the end of the file. Callers bound ``n`` by the file's size: a
+    read allocates what it asks for up front, so a lying length must never reach here."""
+    try:
+        data = f.read(n) or b""
+        while 0 < len(data) < n:  # a short read before the end (a signal, a read over 2 GiB)
+            more = f.read(n - len(data))
+            if not more:
+                break
+            data += more
+    except OSError as exc:
+        raise _unreadable(Path(p), exc) from exc
+    return data
+
+
+def _listing(d: Path, suffix: str) -> list[Path]:
+    """The entries of ``d`` whose names end with ``suffix``, sorted (what ``glob("*" + suffix)`` finds,
+    with an unreadable directory reported instead of looking empty)."""
+    try:
+        with os.scandir(d) as entries:
+            names = [e.name for e in entries if e.name.endswith(suffix)]
+    except OSError as exc:
+        raise _unreadable(d, exc) from exc
+    return sorted(d / name for name in names)
+
+
+# ---- JSON -----------------------------------------------------------------------------------
+# Parsed with hooks that refuse what json.loads would otherwise accept from a hostile file: a
+# number of a million digits (quadratic to convert when sys.set_int_max_str_digits(0) lifts the
+# default guard) and nesting deep enough to exhaust the recursion limit. NaN and Infinity are not
+# JSON, but real config.json files hold them (Mamba2 and Nemotron-H write "time_step_limit":
+# [0.0, Infinity], as transformers serializes it): accepted there, harmless to what is read (every
+# number used is range-checked), and refused in safetensors headers, as safetensors itself does.
+
+_MAX_NUMBER_CHARS = 1000  # real files hold ints like 10**30 and floats like 1e-05; the longest
+# exact decimal expansion of a double has ~770 digits
+
+
 def _config_format(config: Path) -> str:
     return _format_of_config(_load_json(config, _MAX_CONFIG_BYTES))
 
 
 def _load_json(path: Path, limit: int) -> dict[str, Any]:
-    """A JSON object from an untrusted file: its size bounded, deep nesting a format error."""
-    if path.stat().st_size > limit:
-        raise ModelFormatError(f"{str(path)!r} is implausibly large for a {path.name}")
-    try:
-        data = _parse_json(path.read_bytes())
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ModelFormatError(f"{str(path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelFormatError(f"{str(path)!r} is not a JSON object")
-    return data
+    """A JSON object from an untrusted file: at most ``limit`` bytes, strict UTF-8."""
+    with _open(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = b"" if size > limit else _read(f, size + 1, path)  # one more: a file that grew
+    if size > limit or len(data) > limit:
+        raise ModelFormatError(
+            f"{str(path)!r} is larger than {limit >> 20} MiB, implausible for a {path.name}: the file "
+            "is corrupt or not what its name says"
+        )
+    value = _parse_json(data, repr(str(path)))
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{str(path)!r} is not a JSON object (corrupt file)")
+    return value
 
 
-def _parse_json(data: bytes) -> Any:
+def _parse_json(data: bytes, what: str, *, strict: bool = False) -> Any:
+    """JSON from untrusted bytes; ``strict`` also refuses NaN and infinities."""
     try:
-        return json.loads(data)
-    except RecursionError:
-        # json's C scanner recurses once per nesting level; a hostile file nests thousands deep
-        raise ValueError("nested too deeply (corrupt or hostile file)") from None
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ModelFormatError(
+            f"{what} is not UTF-8 text (byte {exc.start}: {exc.reason}): the file is corrupt or not JSON"
+        ) from None
+    try:
+        return json.loads(
+            text,
+            parse_int=_json_int,
+            parse_float=_json_finite_float if strict else _json_float,
+            parse_constant=_json_constant if strict else None,
+        )
+    except RecursionError:  # json's C scanner recurses once per nesting level
+        raise ModelFormatError(f"{what} is nested too deeply (corrupt or hostile file)") from None
+    except ValueError as exc:
+        raise ModelFormatError(f"{what} is not valid JSON: {exc} (corrupt or hostile file)") from None
+
+
+def _json_int(text: str) -> int:
+    if len(text) > _MAX_NUMBER_CHARS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    if len(text) > _MAX_NUMBER_CHARS:
+        raise ValueError(f"a number of {len(text)} characters")
+    return float(text)
+
+
+def _json_finite_float(text: str) -> float:
+    value = _json_float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} overflows a double")
+    return value
+
+
+def _json_constant(text: str) -> float:
+    raise ValueError(f"{text} is not a JSON value")
 
 
 def _format_of_config(data: dict[str, Any]) -> str:
     quant = data.get("quantization_config")
     if isinstance(quant, dict):
-        method = str(quant.get("quant_method", "")).lower()
-        if method in _QUANT_METHODS:
-            return _QUANT_METHODS[method]
+        method = quant.get("quant_method")
+        if isinstance(method, str) and method.lower() in _QUANT_METHODS:
+            return _QUANT_METHODS[method.lower()]
     if isinstance(data.get("quantization"), dict):
         return "mlx"
     return "safetensors"
@@ -189,28 +360,31 @@ def _format_of_config(data: dict[str, Any]) -> str:
 # ---- GGUF header ----------------------------------------------------------------------------
 # Layout (little-endian): magic "GGUF", u32 version, u64 tensor count, u64 metadata count, then
 # the metadata key/values, the tensor infos, padding to `general.alignment`, and the tensor data.
-# Every length and count read here is bounded before anything is allocated: the file is untrusted.
+# The caps are far above what real models need (the largest vocabularies hold ~262k tokens, merge
+# lists ~280k, whole headers ~20 MB) and bound the work on a hostile header to about a second.
 
-
-_MAX_STRING = 1 << 24  # a chat template or a merge list entry is far smaller
-_MAX_ARRAY = 1 << 24  # vocabularies are ~256k entries
-_MAX_KV = 1 << 16
-_MAX_TENSORS = 1 << 20
+_MAX_HEADER = 1 << 28  # bytes of metadata and tensor infos
+_MAX_KV = 1 << 13  # real files have tens of keys
+_MAX_TENSORS = 1 << 17  # the largest MoE models have a few thousand
+_MAX_KEY = 1 << 12  # bytes in a key name
+_MAX_NAME = 1 << 10  # bytes in a tensor name (llama.cpp itself refuses more than 63)
+_MAX_STRING = 1 << 24  # bytes in one string value: a chat template is far smaller
+_MAX_TEXT = 1 << 25  # bytes of all the keys and string values kept
+_MAX_ARRAY = 1 << 24  # items in a numeric array (a large one is skipped, not read)
+_MAX_STRING_ARRAY = 1 << 20  # strings in one array: 4x the largest vocabulary
+_MAX_STRINGS = 1 << 21  # strings in all arrays together (a vocabulary plus its merges)
+_SMALL_ARRAY = 4096  # numeric arrays up to this length are kept (per-layer head counts)
+_MAX_KEPT = 1 << 16  # numeric items kept over all the small arrays
 _MAX_DIMS = 8
-_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
+_MAX_ELEMENTS = 1 << 50  # per tensor: ~10^15 weights is beyond any model, so the header lies
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 13, 24  # key length + type + 1-byte value; name length + dims
+_FIRST_BLOCK, _MAX_BLOCK = 1 << 16, 1 << 22  # reads start small and double while sequential
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR_STRUCTS = {t: struct.Struct("<" + code) for t, code in _SCALARS.items()}
 _STRING, _ARRAY = 8, 9
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(_MAX_DIMS + 1)]
+_TYPE_OFFSET = struct.Struct("<IQ")
 # ggml type id -> (elements per block, bytes per block)
 GGML_BLOCKS = {
     0: (1, 4),
@@ -267,8 +441,16 @@ GGUF_FILE_TYPES = {
     40: "Q1_0",
 }  # fmt: skip
 _FTYPE_GUESSED = 1024
-_SMALL_ARRAY = 4096  # numeric arrays up to this length are kept (per-layer head counts)
-_MAX_ELEMENTS = 1 << 50  # per tensor: ~10^15 weights is beyond any model, so the header lies
+
+# Walking the length prefixes of a 150k-token vocabulary costs tens of milliseconds of Python, far
+# more than the rest of a header. The end of each long run of strings is remembered per version of
+# a file (device, inode, size, mtime, ctime), so reading the same file again (inspect, then load)
+# jumps over it. A file changed in the last seconds is not remembered: a second change within the
+# same timestamp tick would look like the same version (git's "racy" index entries).
+_STRING_RUNS: dict[tuple[int, ...], int] = {}
+_MAX_RUNS = 256
+_MIN_RUN = 4096
+_SETTLED_S = 2.0
 
 
 @dataclass
@@ -303,139 +485,255 @@ class GGUFHeader:
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO, path: str, size: int) -> None:
-        self.f, self.path, self.size = f, path, size
+    """A GGUF header read in large blocks. Values are parsed from memory, and an array of strings
+    is skipped by walking its length prefixes inside the block: one read per block, not per string.
+    Every length is checked against the caps and the file before it is used."""
 
-    def read(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
-            raise ModelFormatError(f"{self.path!r}: GGUF header ends early (truncated file)")
+    def __init__(self, f: FileIO, path: str, size: int, identity: tuple[int, ...] | None) -> None:
+        self.f, self.path, self.size, self.identity = f, path, size, identity
+        self.buf = b""
+        self.base = 0  # the file offset of buf[0]
+        self.pos = 0  # the next byte as an index into buf; past its end after a skip
+        self.block = _FIRST_BLOCK
+        self.n_strings = self.text = self.kept = 0  # against _MAX_STRINGS, _MAX_TEXT, _MAX_KEPT
+
+    def tell(self) -> int:
+        return self.base + self.pos
+
+    def corrupt(self, what: str) -> ModelFormatError:
+        return ModelFormatError(f"{self.path!r}: {what} (corrupt or hostile file)")
+
+    def truncated(self) -> ModelFormatError:
+        return ModelFormatError(
+            f"{self.path!r}: the GGUF header ends early (truncated file); download it again"
+        )
+
+    def fill(self, n: int) -> None:
+        """Make the ``n`` bytes from the current position available in ``buf``."""
+        start = self.tell()
+        if start + n > self.size:
+            raise self.truncated()
+        if start + n > _MAX_HEADER:
+            raise self.corrupt(f"the GGUF header runs past {_MAX_HEADER >> 20} MiB")
+        if self.pos > len(self.buf):  # skipped past the block: read small until reads are sequential
+            self.f.seek(start)
+            self.block = _FIRST_BLOCK
+        rest = self.buf[self.pos :]
+        want = max(n - len(rest), min(self.block, self.size - start - len(rest)))
+        self.buf, self.base, self.pos = rest + _read(self.f, want, self.path), start, 0
+        self.block = min(2 * self.block, _MAX_BLOCK)
+        if len(self.buf) < n:  # the file shrank while being read
+            raise self.truncated()
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            self.fill(n)
+        data = self.buf[self.pos : self.pos + n]
+        self.pos += n
         return data
 
-    def unpack(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+    def skip(self, n: int) -> None:
+        if self.tell() + n > self.size:
+            raise self.truncated()
+        self.pos += n
 
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        if n > _MAX_STRING or n > self.size:
-            raise ModelFormatError(f"{self.path!r}: GGUF string length {n} is implausible (corrupt file)")
-        return self.read(n).decode("utf-8", errors="replace")
+    def scalar(self, s: struct.Struct) -> Any:
+        return self.unpack(s)[0]
+
+    def unpack(self, s: struct.Struct) -> tuple[Any, ...]:
+        if self.pos + s.size > len(self.buf):
+            self.fill(s.size)
+        values = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return values
+
+    def string(self, limit: int, what: str) -> str:
+        n = self.scalar(_U64)
+        if n > limit:
+            raise self.corrupt(f"a GGUF {what} of {n} bytes is implausible")
+        self.text += n
+        if self.text > _MAX_TEXT:
+            raise self.corrupt(f"the GGUF keys and strings add up to more than {_MAX_TEXT >> 20} MiB")
+        return self.take(n).decode("utf-8", errors="replace")
 
     def value(self, vtype: int, keep_arrays: bool) -> tuple[Any, int | None]:
-        if vtype in _SCALARS:
-            return self.unpack(_SCALARS[vtype]), None
+        """A metadata value and, for an array, its length (the value is None for a skipped array)."""
+        s = _SCALAR_STRUCTS.get(vtype)
+        if s is not None:
+            return self.scalar(s), None
         if vtype == _STRING:
-            return self.string(), None
-        if vtype == _ARRAY:
-            etype, n = self.unpack("<I"), self.unpack("<Q")
-            if n > _MAX_ARRAY or n > self.size:
-                raise ModelFormatError(
-                    f"{self.path!r}: GGUF array of {n} items is implausible (corrupt file)"
-                )
-            if etype == _ARRAY:
-                raise ModelFormatError(f"{self.path!r}: nested GGUF arrays are not supported")
-            if etype in _SCALARS and not keep_arrays and n > _SMALL_ARRAY:
-                self.f.seek(n * struct.calcsize(_SCALARS[etype]), 1)
-                return None, n
-            if etype == _STRING and not keep_arrays:
-                self.skip_strings(n)
-                return None, n
-            items = [self.value(etype, True)[0] for _ in range(n)]
-            return (items if keep_arrays or etype in _SCALARS else None), n
-        raise ModelFormatError(f"{self.path!r}: unknown GGUF value type {vtype} (corrupt file)")
+            return self.string(_MAX_STRING, "string"), None
+        if vtype != _ARRAY:
+            raise self.corrupt(f"unknown GGUF value type {vtype}")
+        etype, n = self.scalar(_U32), self.scalar(_U64)
+        if etype == _ARRAY:
+            raise self.corrupt("nested GGUF arrays are not supported")
+        if etype == _STRING:
+            return self.string_array(n, keep_arrays), n
+        code = _SCALARS.get(etype)
+        if code is None:
+            raise self.corrupt(f"unknown GGUF array type {etype}")
+        width = _SCALAR_STRUCTS[etype].size
+        if n > _MAX_ARRAY or n * width > self.size - self.tell():
+            raise self.corrupt(f"a GGUF array of {n} items is implausible")
+        if keep_arrays or (n <= _SMALL_ARRAY and self.kept + n <= _MAX_KEPT):
+            self.kept += n
+            return list(struct.unpack(f"<{n}{code}", self.take(n * width))), n
+        self.skip(n * width)
+        return None, n
+
+    def string_array(self, n: int, keep: bool) -> list[str] | None:
+        if n > _MAX_STRING_ARRAY or n * 8 > self.size - self.tell():
+            raise self.corrupt(f"a GGUF array of {n} strings is implausible")
+        self.n_strings += n
+        if self.n_strings > _MAX_STRINGS:
+            raise self.corrupt(f"the GGUF arrays hold more than {_MAX_STRINGS} strings")
+        if keep:
+            return [self.string(_MAX_STRING, "string") for _ in range(n)]
+        self.skip_strings(n)
+        return None
 
     def skip_strings(self, n: int) -> None:
-        # a vocabulary is ~100k strings: skip them without decoding, one length read each
-        read, seek, size = self.f.read, self.f.seek, self.size
-        for _ in range(n):
-            raw = read(8)
-            if len(raw) != 8:
-                raise ModelFormatError(f"{self.path!r}: GGUF header ends early (truncated file)")
-            length = int.from_bytes(raw, "little")
-            if length > _MAX_STRING or length > size:
-                raise ModelFormatError(
-                    f"{self.path!r}: GGUF string length {length} is implausible (corrupt file)"
-                )
-            seek(length, 1)
-        if self.f.tell() > size:
-            raise ModelFormatError(f"{self.path!r}: GGUF header ends early (truncated file)")
+        start = self.tell()
+        key = (*self.identity, start, n) if self.identity and n >= _MIN_RUN else None
+        end = _STRING_RUNS.get(key) if key else None
+        if end is not None:
+            self.pos += end - start
+            return
+        unpack = _U64.unpack_from
+        while n:
+            if self.pos + 8 > len(self.buf):
+                self.fill(8)
+            buf, pos, walked = self.buf, self.pos, 0
+            try:
+                for walked in range(n):  # noqa: B007 (walked counts the strings passed)
+                    pos += 8 + unpack(buf, pos)[0]
+                walked = n
+            except (struct.error, OverflowError):
+                pass  # the next length prefix is not (wholly) in this block, or lies far past it
+            self.pos = pos
+            n -= walked
+            if self.tell() > self.size:
+                raise self.truncated()
+        if key:
+            if len(_STRING_RUNS) >= _MAX_RUNS:
+                _STRING_RUNS.clear()
+            _STRING_RUNS[key] = self.tell()
 
 
 def read_gguf_header(path: str | Path, *, keep_arrays: bool = False) -> GGUFHeader:
     """Parse a GGUF file's header (metadata and tensor infos), never its tensor data.
 
-    Raises ``ModelFormatError`` for a wrong magic, an unsupported version, or any length or count
-    that cannot be right; large arrays are skipped (their lengths kept) unless ``keep_arrays``.
+    Raises ``ModelNotFound`` when nothing is at ``path`` and ``ModelFormatError`` for a directory,
+    a FIFO or device, an unreadable file, a wrong magic, an unsupported version, or any length or
+    count that cannot be right; large arrays are skipped (their lengths kept) unless ``keep_arrays``.
     """
     p = Path(path)
-    if not p.is_file():
+    kind = _kind(p)
+    if kind is None:
         raise ModelNotFound(str(path))
-    size = p.stat().st_size
-    with p.open("rb") as f:
-        r = _Reader(f, str(p), size)
-        magic = r.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelFormatError(f"{str(p)!r} is not a GGUF file (magic {magic!r}, want b'GGUF')")
-        version = r.unpack("<I")
-        if version not in (2, 3):
-            raise ModelFormatError(f"{str(p)!r}: GGUF version {version} is not supported (2 or 3)")
-        n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
-        if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-            raise ModelFormatError(
-                f"{str(p)!r}: GGUF claims {n_tensors} tensors and {n_kv} keys (corrupt file)"
-            )
-        if n_tensors * 24 > size:  # a tensor info takes at least 24 bytes
-            raise ModelFormatError(
-                f"{str(p)!r}: GGUF claims {n_tensors} tensors in {size} bytes (corrupt file)"
-            )
-        metadata: dict[str, Any] = {}
-        lengths: dict[str, int] = {}
-        for _ in range(n_kv):
-            key = r.string()
-            value, n = r.value(r.unpack("<I"), keep_arrays)
-            if n is not None:
-                lengths[key] = n
-            metadata[key] = value
-        end: int | None = 0
-        parameters = expert_parameters = 0
-        nbytes: int | None = 0
-        type_elements: dict[int, int] = {}
-        for _ in range(n_tensors):
-            name = r.string()
-            n_dims = r.unpack("<I")
-            if n_dims > _MAX_DIMS:
-                raise ModelFormatError(f"{str(p)!r}: a tensor with {n_dims} dimensions (corrupt file)")
-            elements = 1
-            for _ in range(n_dims):
-                elements *= r.unpack("<Q")
+    if kind == "dir":
+        raise _gguf_directory(p)
+    with _open(p) as f:
+        st = os.fstat(f.fileno())
+        try:
+            return _parse_gguf(_Reader(f, str(p), st.st_size, _identity(st)), keep_arrays)
+        except UnillmError:
+            raise
+        except OSError as exc:  # a seek or read failing under us (EIO on a failing disk)
+            raise _unreadable(p, exc) from exc
+
+
+def _gguf_directory(p: Path) -> ModelFormatError:
+    if _kind(p / "config.json") == "file":
+        return ModelFormatError(
+            f"{str(p)!r} is a directory holding a Hugging Face model (config.json and safetensors "
+            "weights), not a GGUF file, and llama.cpp reads only .gguf files: pass a .gguf file, "
+            "convert this model with llama.cpp's convert_hf_to_gguf.py, or use a backend that "
+            "reads this format (`unillm select` lists them)"
+        )
+    ggufs = _listing(p, ".gguf")
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs[:3]) + (", ..." if len(ggufs) > 3 else "")
+        return ModelFormatError(
+            f"{str(p)!r} is a directory, not a GGUF file: pass one of its .gguf files ({names})"
+        )
+    return ModelFormatError(f"{str(p)!r} is a directory, not a GGUF file: pass the path of a .gguf file")
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...] | None:
+    """What tells this version of a file from any other, or None while it may still be changing."""
+    if time.time() - max(st.st_mtime, st.st_ctime) < _SETTLED_S:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _parse_gguf(r: _Reader, keep_arrays: bool) -> GGUFHeader:
+    magic = r.take(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFormatError(f"{r.path!r} is not a GGUF file (magic {magic!r}, want b'GGUF')")
+    version = r.scalar(_U32)
+    if version not in (2, 3):
+        raise ModelFormatError(f"{r.path!r}: GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = r.scalar(_U64), r.scalar(_U64)
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
+        raise r.corrupt(f"GGUF claims {n_tensors} tensors and {n_kv} keys")
+    if n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES > r.size - r.tell():
+        raise r.corrupt(f"GGUF claims {n_tensors} tensors and {n_kv} keys in {r.size} bytes")
+    metadata: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for _ in range(n_kv):
+        key = r.string(_MAX_KEY, "key")
+        if key in metadata:
+            raise r.corrupt(f"the GGUF key {key[:200]!r} appears twice (llama.cpp refuses such files too)")
+        value, n = r.value(r.scalar(_U32), keep_arrays)
+        if n is not None:
+            lengths[key] = n
+        metadata[key] = value
+    end: int | None = 0
+    parameters = expert_parameters = 0
+    nbytes: int | None = 0
+    type_elements: dict[int, int] = {}
+    for _ in range(n_tensors):
+        n = r.scalar(_U64)
+        if n > _MAX_NAME:
+            raise r.corrupt(f"a GGUF tensor name of {n} bytes is implausible")
+        name = r.take(n)
+        n_dims = r.scalar(_U32)
+        if n_dims > _MAX_DIMS:
+            raise r.corrupt(f"a tensor with {n_dims} dimensions")
+        elements = 1
+        for dim in r.unpack(_DIMS[n_dims]):
+            elements *= dim
             if elements > _MAX_ELEMENTS:
-                raise ModelFormatError(
-                    f"{str(p)!r}: tensor {name!r} claims {elements} elements (corrupt file)"
-                )
-            ttype, offset = r.unpack("<I"), r.unpack("<Q")
-            parameters += elements
-            if "_exps" in name:
-                expert_parameters += elements
-            type_elements[ttype] = type_elements.get(ttype, 0) + elements
-            block = GGML_BLOCKS.get(ttype)
-            if block is None or end is None or nbytes is None:
-                end = nbytes = None
-            else:
-                tensor_bytes = elements // block[0] * block[1]
-                nbytes += tensor_bytes
-                end = max(end, offset + tensor_bytes)
-        alignment = metadata.get("general.alignment", 32)
-        if not isinstance(alignment, int) or alignment <= 0:
-            alignment = 32
-        pos = f.tell()
-        data_offset = (pos + alignment - 1) // alignment * alignment
+                shown = name[:200].decode("utf-8", errors="replace")
+                raise r.corrupt(f"tensor {shown!r} claims more than 2^50 elements")
+        ttype, offset = r.unpack(_TYPE_OFFSET)
+        parameters += elements
+        if b"_exps" in name:
+            expert_parameters += elements
+        type_elements[ttype] = type_elements.get(ttype, 0) + elements
+        block = GGML_BLOCKS.get(ttype)
+        if block is None or end is None or nbytes is None:
+            end = nbytes = None
+        else:
+            tensor_bytes = elements // block[0] * block[1]
+            nbytes += tensor_bytes
+            end = max(end, offset + tensor_bytes)
+    alignment = metadata.get("general.alignment", 32)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise r.corrupt(f"general.alignment {repr(alignment)[:40]} is not a power of two")
+    header_end = r.tell()
+    if header_end > _MAX_HEADER:
+        raise r.corrupt(f"the GGUF header runs past {_MAX_HEADER >> 20} MiB")
+    data_offset = (header_end + alignment - 1) // alignment * alignment
     return GGUFHeader(
         version,
         metadata,
         n_tensors,
         data_offset,
         None if end is None else data_offset + end,
-        size,
+        r.size,
         lengths,
         parameters,
         nbytes,
@@ -457,8 +755,8 @@ _MAX_INT = 1 << 48  # a config integer beyond this is junk, not a model dimensio
 
 def _resolve(path_or_id: str | Path) -> Path:
     """A local path, or a repo id resolved through the local Hugging Face cache only."""
-    p = Path(path_or_id).expanduser()
-    if p.exists():
+    p = _expand(path_or_id)
+    if _kind(p) is not None:
         return p
     name = str(path_or_id)
     if isinstance(path_or_id, str) and _REPO_ID.fullmatch(name):
@@ -521,7 +819,7 @@ def _gguf_parts(p: Path) -> list[Path]:
     if not 1 <= no <= count or count > _MAX_SPLITS:
         raise ModelFormatError(f"{str(p)!r}: split part {no} of {count} cannot be right")
     parts = [p.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [q.name for q in parts if not q.is_file()]
+    missing = [q.name for q in parts if _kind(q) != "file"]
     if missing:
         raise ModelFormatError(
             f"{str(p)!r} is part of a {count}-part split GGUF but {', '.join(missing[:5])} "
@@ -613,6 +911,12 @@ _DTYPE_NAMES = {
     "BF16": "bf16", "F16": "f16", "F32": "f32", "F64": "f64", "F8_E4M3": "fp8", "F8_E5M2": "fp8",
     "bfloat16": "bf16", "float16": "f16", "half": "f16", "float32": "f32", "float": "f32",
     "float64": "f64",
+}  # fmt: skip
+# bytes per element of the safetensors dtypes whose size is fixed (safetensors itself checks each
+# tensor's byte span against its shape; sub-byte and newer dtypes are not checked here)
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
 }  # fmt: skip
 # tensors that hold quantization scales, zeros or permutations rather than weights
 _AUX_SUFFIXES = (
@@ -778,7 +1082,7 @@ def _quantization(config: dict[str, Any], fmt: str) -> tuple[str | None, float |
 
 def _safetensors_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
-    if index.is_file():
+    if _kind(index) == "file":
         weight_map = _load_json(index, _MAX_INDEX_BYTES).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelFormatError(f"{str(index)!r} has no weight_map object")
@@ -789,13 +1093,13 @@ def _safetensors_files(d: Path) -> list[Path]:
         for name in names:
             if Path(name).name != name or name in ("", ".", ".."):
                 raise ModelFormatError(f"{str(index)!r} names a shard outside its directory: {name!r}")
-            if not (d / name).is_file():
+            if _kind(d / name) != "file":
                 raise ModelFormatError(
                     f"{str(index)!r} names the shard {name!r}, which is missing: download it again"
                 )
             files.append(d / name)
         return files
-    files = sorted(d.glob("*.safetensors"))
+    files = _listing(d, ".safetensors")
     if len(files) > 1:  # Mistral repos ship the same weights twice
         files = [f for f in files if not f.name.startswith("consolidated")] or files
     if len(files) > _MAX_SHARDS:
@@ -838,54 +1142,70 @@ def _weights_in(name: str, dtype: str, count: int, fmt: str, bits: float | None)
 
 
 def _safetensors_header(path: Path) -> list[tuple[str, str, int, int]]:
-    """(name, dtype, elements, bytes) per tensor, from the 8-byte length and the JSON header."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        raw = f.read(8)
+    """(name, dtype, elements, bytes) per tensor, from the 8-byte length and the JSON header.
+
+    Every shape element and offset must be a plain non-negative integer (not a bool, a float or a
+    list) and every product bounded, checked before it is used: ``[[1], 100000000]`` would
+    otherwise build a list of 10^8 items, ``[[1], 2**40]`` exhaust memory."""
+    with _open(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = _read(f, 8, path)
         if len(raw) != 8:
-            raise ModelFormatError(f"{str(path)!r} is truncated: no safetensors header")
+            raise ModelFormatError(f"{str(path)!r} is truncated: no safetensors header; download it again")
         n = int.from_bytes(raw, "little")
         if n > _MAX_SAFETENSORS_HEADER or n > size - 8:
             raise ModelFormatError(
                 f"{str(path)!r}: safetensors header length {n} is implausible for a file of "
                 f"{size} bytes (corrupt or hostile file)"
             )
-        data = f.read(n)
-    try:
-        header = _parse_json(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{str(path)!r}: the safetensors header is not valid JSON: {exc}") from exc
+        data = _read(f, n, path)
+    if len(data) != n:
+        raise ModelFormatError(f"{str(path)!r} is truncated inside its safetensors header; download it again")
+    header = _parse_json(data, f"{str(path)!r}: the safetensors header", strict=True)
     if not isinstance(header, dict):
-        raise ModelFormatError(f"{str(path)!r}: the safetensors header is not a JSON object")
+        raise ModelFormatError(f"{str(path)!r}: the safetensors header is not a JSON object (corrupt file)")
     payload = size - 8 - n
     out = []
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        bad = f"{str(path)!r}: tensor {name[:200]!r} has a malformed entry (corrupt file)"
-        if not isinstance(t, dict):
-            raise ModelFormatError(bad)
-        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
-        if (
-            not isinstance(dtype, str)
-            or not isinstance(shape, list)
-            or len(shape) > _MAX_DIMS
-            or not isinstance(offsets, list)
-            or len(offsets) != 2
-        ):
-            raise ModelFormatError(bad)
-        elements = 1
-        for dim in shape:
-            if _int(dim) is None:
-                raise ModelFormatError(bad)
-            elements *= dim
-        start, end = _int(offsets[0]), _int(offsets[1])
-        if start is None or end is None or start > end or elements > _MAX_ELEMENTS:
-            raise ModelFormatError(bad)
-        if end > payload:
-            raise ModelFormatError(
-                f"{str(path)!r} is truncated: tensor {name[:200]!r} ends at byte {end} of a "
-                f"{payload}-byte payload; download it again"
-            )
-        out.append((name, dtype, elements, end - start))
+        out.append((name, *_safetensors_entry(path, name, t, payload)))
     return out
+
+
+def _safetensors_entry(path: Path, name: str, t: Any, payload: int) -> tuple[str, int, int]:
+    """(dtype, elements, bytes) of one header entry, every field checked."""
+
+    def bad(what: str) -> ModelFormatError:
+        return ModelFormatError(
+            f"{str(path)!r}: tensor {name[:200]!r} {what} (corrupt or hostile file); download it again"
+        )
+
+    if not isinstance(t, dict):
+        raise bad(f"is described by a JSON {type(t).__name__}, not an object")
+    dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+    if not isinstance(dtype, str) or not 0 < len(dtype) <= 32:
+        raise bad("has no dtype name")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+        raise bad(f"has no shape of at most {_MAX_DIMS} dimensions")
+    elements = 1
+    for i, dim in enumerate(shape):
+        if type(dim) is not int or dim < 0:
+            raise bad(f"has dimension {i} of type {type(dim).__name__}, not a non-negative integer")
+        elements *= dim
+        if elements > _MAX_ELEMENTS:
+            raise bad("claims more than 2^50 elements")
+    if not isinstance(offsets, list) or len(offsets) != 2 or any(type(o) is not int for o in offsets):
+        raise bad("has no data_offsets [start, end] of integers")
+    start, end = offsets
+    if not 0 <= start <= end:
+        raise bad(f"has data_offsets [{start}, {end}] that do not make a range")
+    if end > payload:
+        raise ModelFormatError(
+            f"{str(path)!r} is truncated: tensor {name[:200]!r} ends at byte {end} of a "
+            f"{payload}-byte payload; download it again"
+        )
+    width = _DTYPE_BYTES.get(dtype)
+    if width is not None and end - start != elements * width:
+        raise bad(f"holds {end - start} bytes, but {elements} elements of {dtype} take {elements * width}")
+    return dtype, elements, end - start
