@@ -58,7 +58,8 @@ def main(model: str) -> None:
         print("\n-- kv_stats --")
         kv = engine.kv_stats()  # None in a field means this engine cannot tell
         print(f"kv: capacity={kv.capacity_tokens} used={kv.used_tokens} bytes_per_token={kv.bytes_per_token}")
-        print(f"prefix cache: {kv.prefix_cache_hits} hits of {kv.prefix_cache_queries} queries")
+        hits, queries = kv.prefix_cache_hits, kv.prefix_cache_queries  # prompt tokens
+        print(f"prefix cache: {hits} of {queries} prompt tokens served from it")
 
 
 if __name__ == "__main__":
