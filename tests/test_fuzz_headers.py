@@ -1,11 +1,13 @@
 """Fuzzing the header readers: whatever a model file holds, a reader returns or raises a
 ``UnillmError``, within a second.
 
-Seeds are the tiny model's own GGUF header, safetensors header and config.json. Hypothesis mutates
-them (byte flips, truncations, large values written over length and count fields, splices, hostile
-JSON tokens) and builds hostile headers from scratch. CI runs a bounded, derandomized number of
-examples; ``scripts/fuzz.sh`` drives the same mutators through many more, in subprocesses with a
-memory limit. ``UNILLM_FUZZ_EXAMPLES`` sets the examples per test here.
+Seeds are the tiny model's own GGUF header, safetensors header and config.json, and a GGUF with a
+5,000-token vocabulary laid out as llama-quantize writes one (general.file_type after it), which
+inspection's lazy read steps over to find the key. Hypothesis mutates them (byte flips,
+truncations, large values written over length and count fields, splices, hostile JSON tokens) and
+builds hostile headers from scratch. Every GGUF is read whole and lazily. CI runs a bounded,
+derandomized number of examples; ``scripts/fuzz.sh`` drives the same mutators through many more,
+in subprocesses with a memory limit. ``UNILLM_FUZZ_EXAMPLES`` sets the examples per test here.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Seeds:
     safetensors_size: int
     config: bytes
     safetensors_path: Path
+    vocab: bytes = b""  # the large-vocabulary GGUF's header, its size and fields
+    vocab_size: int = 0
+    vocab_fields: tuple[tuple[int, int], ...] = ()
 
 
 def load_seeds(model_dir: Path) -> Seeds:
@@ -67,6 +72,8 @@ def load_seeds(model_dir: Path) -> Seeds:
     with st_path.open("rb") as f:
         n = int.from_bytes(f.read(8), "little")
         st_header = n.to_bytes(8, "little") + f.read(n)
+    vocab_path = vocab_gguf(model_dir / "vocab.gguf")
+    vocab = vocab_path.read_bytes()[: read_gguf_header(vocab_path).data_offset]
     return Seeds(
         gguf=data,
         gguf_size=tiny.gguf_path.stat().st_size,
@@ -75,7 +82,37 @@ def load_seeds(model_dir: Path) -> Seeds:
         safetensors_size=st_path.stat().st_size,
         config=(tiny.hf_dir / "config.json").read_bytes(),
         safetensors_path=st_path,
+        vocab=vocab,
+        vocab_size=vocab_path.stat().st_size,
+        vocab_fields=tuple(gguf_fields(vocab)),
     )
+
+
+def vocab_gguf(path: Path, tokens: int = 5000) -> Path:
+    """A GGUF whose vocabulary is long enough for the lazy read to stop at, with general.file_type
+    after it (llama-quantize's layout) and two small tensors."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_context_length(4096)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(tokens)])
+    w.add_token_types([1] * tokens)
+    w.add_token_merges([f"t{i} t{i + 1}" for i in range(64)])
+    w.add_bos_token_id(1)
+    w.add_quantization_version(2)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.add_tensor("output_norm.weight", np.zeros(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 _WIDTHS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF scalar types
@@ -122,12 +159,20 @@ def gguf_fields(data: bytes) -> list[tuple[int, int]]:
 Target = Callable[[Path, bytes, Seeds], list[Callable[[], object]]]
 
 
-def gguf_target(d: Path, data: bytes, seeds: Seeds) -> list[Callable[[], object]]:
+def gguf_target(d: Path, data: bytes, seeds: Seeds, size: int | None = None) -> list[Callable[[], object]]:
     path = d / "m.gguf"
     with path.open("wb") as f:
         f.write(data)
-        f.truncate(max(len(data), seeds.gguf_size))  # the tensor data, as a hole
-    return [lambda: read_gguf_header(path), lambda: inspect_model(path)]
+        f.truncate(max(len(data), seeds.gguf_size if size is None else size))  # the data, as a hole
+    return [
+        lambda: read_gguf_header(path),
+        lambda: read_gguf_header(path, lazy=True),
+        lambda: inspect_model(path),  # lazy, and whole where the lazy read does not suffice
+    ]
+
+
+def vocab_target(d: Path, data: bytes, seeds: Seeds) -> list[Callable[[], object]]:
+    return gguf_target(d, data, seeds, seeds.vocab_size)
 
 
 def safetensors_target(d: Path, data: bytes, seeds: Seeds) -> list[Callable[[], object]]:
@@ -147,11 +192,16 @@ def config_target(d: Path, data: bytes, seeds: Seeds) -> list[Callable[[], objec
     return [lambda: detect_format(d), lambda: inspect_model(d)]
 
 
-JSON_AT = {"gguf": None, "safetensors": 8, "config": 0}  # where each seed's JSON starts
+JSON_AT = {"gguf": None, "gguf-vocab": None, "safetensors": 8, "config": 0}  # where JSON starts
 TARGETS: dict[str, tuple[Target, Callable[[Seeds], bytes]]] = {
     "gguf": (gguf_target, lambda s: s.gguf),
+    "gguf-vocab": (vocab_target, lambda s: s.vocab),
     "safetensors": (safetensors_target, lambda s: s.safetensors),
     "config": (config_target, lambda s: s.config),
+}
+FIELDS: dict[str, Callable[[Seeds], tuple[tuple[int, int], ...]]] = {
+    "gguf": lambda s: s.gguf_fields,
+    "gguf-vocab": lambda s: s.vocab_fields,
 }
 
 
@@ -380,6 +430,8 @@ def test_the_seeds_are_read_whole(seeds: Seeds, work: Path) -> None:
         for call in target(d, seed(seeds), seeds):
             call()
     assert len(seeds.gguf_fields) > 700  # every key, value, string and tensor field
+    lazy = read_gguf_header(work / "seed-gguf-vocab" / "m.gguf", lazy=True)
+    assert lazy.unread is not None and lazy.tensors_read  # general.file_type found past the vocabulary
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
@@ -391,7 +443,7 @@ def test_mutated_headers_raise_only_typed_errors(
     target, seed = TARGETS[name]
     d = work / f"mutated-{name}"
     d.mkdir(exist_ok=True)
-    fields = seeds.gguf_fields if name == "gguf" else ()
+    fields = FIELDS[name](seeds) if name in FIELDS else ()
     assert check(target(d, mutate(seed(seeds), rng, fields, JSON_AT[name]), seeds)) < SLOWEST_S
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import struct
@@ -343,22 +344,161 @@ def test_the_answer_does_not_depend_on_the_read_block(
             assert got.metadata == want.metadata
 
 
-def test_a_vocabulary_is_walked_once_per_version_of_a_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def write(words: list[bytes], value: int) -> None:
-        path.write_bytes(_gguf([_kv("t", 9, _strings(words)), _kv("v", 4, struct.pack("<I", value))]))
+# ---- GGUF: the lazy read inspection uses ----------------------------------------------------
 
+
+def _u32(key: str, value: int) -> bytes:
+    return _kv(key, 4, struct.pack("<I", value))
+
+
+def _str(key: str, value: str) -> bytes:
+    return _kv(key, 8, struct.pack("<Q", len(value)) + value.encode())
+
+
+def _model(kvs: list[bytes], shapes: list[tuple[int, ...]], *, cut: int = 0) -> bytes:
+    """A GGUF of ``kvs`` and F32 tensors of ``shapes``, laid out as llama.cpp writes one (offsets
+    chained, each tensor padded to 32 bytes); ``cut`` bytes short of its end."""
+    infos, offset = [], 0
+    for i, shape in enumerate(shapes):
+        name = f"blk.{i}.w".encode()
+        dims = struct.pack(f"<{len(shape)}Q", *shape)
+        infos.append(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(shape)) + dims)
+        infos.append(struct.pack("<IQ", 0, offset))
+        offset += -(-4 * math.prod(shape) // 32) * 32
+    head = _gguf(kvs, len(shapes), b"".join(infos))
+    data = head + bytes(-len(head) % 32) + bytes(offset)
+    return data[: len(data) - cut]
+
+
+ARCH = [
+    _str("general.architecture", "llama"),
+    _u32("llama.block_count", 2),
+    _u32("llama.embedding_length", 64),
+    _u32("llama.attention.head_count", 4),
+    _u32("llama.context_length", 4096),
+]
+SHAPES = [(64, 8), (64,)]
+
+
+def _vocab(n: int = 5000, word: bytes = b"tok") -> bytes:
+    return _kv("tokenizer.ggml.tokens", 9, _strings([word + str(i).encode() for i in range(n)]))
+
+
+def _offset(data: bytes, key: str) -> int:
+    return data.index(struct.pack("<Q", len(key)) + key.encode())
+
+
+def test_a_lazy_read_stops_at_the_vocabulary(tmp_path: Path) -> None:
+    """general.file_type before the vocabulary (convert_hf_to_gguf's layout): nothing after the
+    vocabulary's length is read, the tensor infos included."""
+    path = tmp_path / "m.gguf"
+    data = _model(
+        [*ARCH, _u32("general.file_type", 0), _vocab(), _u32("tokenizer.ggml.bos_token_id", 1)], SHAPES
+    )
+    path.write_bytes(data)
+    full, lazy = read_gguf_header(path), read_gguf_header(path, lazy=True)
+    assert full.unread is None and full.tensors_read and full.parameters == 64 * 8 + 64
+    start = _offset(data, "tokenizer.ggml.tokens") + 8 + 21 + 4 + 12  # the key, its type, etype, count
+    assert lazy.unread == (start, None) and lazy.unread_keys == 1 and not lazy.tensors_read
+    assert lazy.array_lengths == full.array_lengths == {"tokenizer.ggml.tokens": 5000}
+    assert lazy.metadata == {k: v for k, v in full.metadata.items() if k != "tokenizer.ggml.bos_token_id"}
+    assert (lazy.data_end, lazy.tensor_bytes, lazy.parameters) == (None, None, 0)
+    # the lowest offset the data can start at: every string, key and tensor info at its shortest
+    assert lazy.data_offset == start + 8 * 5000 + 13 + 2 * 24 <= full.data_offset
+    assert read_gguf_header(path, lazy=True, keep_arrays=True).unread is None  # keep_arrays reads all
+
+
+def test_a_lazy_read_finds_general_file_type_past_the_vocabulary(tmp_path: Path) -> None:
+    """llama-quantize's layout: general.file_type appended after the vocabulary, found by its bytes;
+    the keys from it on and the tensor infos are read, the ones between are not."""
+    path = tmp_path / "m.gguf"
+    middle = [_u32("tokenizer.ggml.bos_token_id", 1), _str("tokenizer.chat_template", "{{ x }}")]
+    tail = [_u32("general.file_type", 7), _str("quantize.imatrix.file", "i.dat")]
+    data = _model([*ARCH, _vocab(), *middle, *tail], SHAPES)
+    path.write_bytes(data)
+    full, lazy = read_gguf_header(path), read_gguf_header(path, lazy=True)
+    assert lazy.unread is not None and lazy.unread[1] == _offset(data, "general.file_type")
+    assert lazy.tensors_read and lazy.unread_keys == 2
+    assert lazy.metadata == {k: v for k, v in full.metadata.items() if not k.startswith("tokenizer.")} | {
+        "tokenizer.ggml.tokens": None
+    }
+    for name in ("data_offset", "data_end", "parameters", "tensor_bytes", "type_elements", "file_size"):
+        assert getattr(lazy, name) == getattr(full, name), name
+
+
+def test_a_string_holding_the_keys_bytes_is_not_taken_for_it(tmp_path: Path) -> None:
+    """A token "general.file_type" is the key's bytes, length and all: where it is, no tensor
+    infos follow, so the search goes on to the real key."""
+    path = tmp_path / "m.gguf"
+    words = [b"general.file_type", b"abcd", b"general.file_type"] + [b"w%d" % i for i in range(5000)]
+    vocab = _kv("tokenizer.ggml.tokens", 9, _strings(words))
+    data = _model([*ARCH, vocab, _u32("general.file_type", 7)], SHAPES)
+    path.write_bytes(data)
+    lazy = read_gguf_header(path, lazy=True)
+    assert lazy.unread is not None and lazy.unread[1] == data.rindex(
+        b"\x11" + bytes(7) + b"general.file_type"
+    )
+    assert lazy.metadata["general.file_type"] == 7 and lazy.parameters == read_gguf_header(path).parameters
+
+
+def test_a_lazy_read_gives_up_after_a_few_false_keys(tmp_path: Path) -> None:
+    """A vocabulary of 5,000 copies of the key's bytes: eight are tried, then the read stops."""
+    path = tmp_path / "m.gguf"
+    vocab = _kv("tokenizer.ggml.tokens", 9, _strings([b"general.file_type"] * 5000))
+    path.write_bytes(_model([*ARCH, vocab, _u32("general.file_type", 7)], SHAPES))
+    t0 = time.perf_counter()
+    lazy = read_gguf_header(path, lazy=True)
+    assert time.perf_counter() - t0 < 0.5
+    assert lazy.unread is not None and lazy.unread[1] is None
+    info = inspect_model(path)  # no file type seen: read whole
+    assert info.quantization == "Q8_0" and info.estimated == () and info.parameters == 64 * 8 + 64
+
+
+def test_a_truncated_file_is_not_mistaken_for_a_tail(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(_model([*ARCH, _vocab(), _u32("general.file_type", 0)], SHAPES, cut=100))
+    lazy = read_gguf_header(path, lazy=True)
+    assert lazy.unread is not None and lazy.unread[1] is None  # the tensors do not end with the file
+    with pytest.raises(ModelFormatError, match="truncated"):
+        inspect_model(path)  # from the full read
+
+
+def test_a_vocabulary_only_file_is_read_whole(tmp_path: Path) -> None:
     path = tmp_path / "vocab.gguf"
-    write([b"ab"] * 5000, 1)
-    read_gguf_header(path)
-    assert not _inspect._STRING_RUNS or all(k[1] != path.stat().st_ino for k in _inspect._STRING_RUNS)
-    monkeypatch.setattr(_inspect, "_SETTLED_S", 0.0)  # as if the file had been written a while ago
-    assert read_gguf_header(path).metadata["v"] == 1
-    key = next(k for k in _inspect._STRING_RUNS if k[1] == path.stat().st_ino)
-    assert read_gguf_header(path).metadata["v"] == 1  # the remembered end
-    write([b"a"] * 2500 + [b"abc"] * 2500, 2)  # the same size and inode: a new version
-    st = path.stat()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # even within one timestamp tick
-    assert read_gguf_header(path).metadata["v"] == 2
-    assert key in _inspect._STRING_RUNS and len({k for k in _inspect._STRING_RUNS if k[1] == st.st_ino}) == 2
+    path.write_bytes(_model([*ARCH, _vocab(), _u32("general.file_type", 0)], []))
+    assert read_gguf_header(path, lazy=True).unread is None
+
+
+@pytest.mark.parametrize("block", [25, 26, 31, 64, 1 << 10])
+def test_every_occurrence_is_found_once_whatever_the_scan_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    needle = struct.pack("<Q", 17) + b"general.file_type"
+    data = bytearray(os.urandom(5000).replace(b"\x11", b"\x12"))
+    want = [0, 25, 100, 999, 1024, 4000, 5000 - len(needle)]
+    for at in want:
+        data[at : at + len(needle)] = needle
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(_inspect, "_SCAN_BLOCK", block)
+    with _inspect._open(path) as f:
+        r = _inspect._Reader(f, str(path), len(data))
+        assert list(_inspect._positions(r, needle, 0, len(data))) == want
+        assert list(_inspect._positions(r, needle, 26, 4000 + len(needle) - 1)) == [100, 999, 1024]
+
+
+@pytest.mark.parametrize("block", [8, 13, 64, 1 << 10])
+def test_a_lazy_read_does_not_depend_on_the_read_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(
+        _model(
+            [*ARCH, _vocab(), _u32("tokenizer.ggml.bos_token_id", 1), _u32("general.file_type", 7)], SHAPES
+        )
+    )
+    want = read_gguf_header(path, lazy=True)
+    monkeypatch.setattr(_inspect, "_FIRST_BLOCK", block)
+    monkeypatch.setattr(_inspect, "_MAX_BLOCK", block)
+    monkeypatch.setattr(_inspect, "_SCAN_BLOCK", max(block, 32))
+    assert read_gguf_header(path, lazy=True) == want

@@ -18,7 +18,7 @@ import os
 import re
 import stat
 import struct
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from io import FileIO
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from unillm._errors import ModelFormatError, ModelNotFound, UnillmError
+from unillm._plan import bits_per_weight
 
 __all__ = ["GGUFHeader", "ModelInfo", "detect_format", "inspect_model", "read_gguf_header"]
 
@@ -53,6 +54,14 @@ class ModelInfo:
     the average over all weights including scales. ``parameters`` counts all weights;
     ``active_parameters`` those used per token (differs for MoE). ``group_size`` is the
     quantization group (weights per scale) where the files say it.
+
+    ``estimated`` names the fields derived rather than read. A GGUF whose general.file_type comes
+    before its vocabulary (convert_hf_to_gguf's layout) is inspected without reading the
+    vocabulary's strings or the tensor infos after them: ``weights_bytes`` is then an upper bound,
+    the file's size less the bytes the header takes at the least (over by at most the header bytes
+    not read and the alignment padding: a few MB for a 150k-token vocabulary), and
+    ``parameters``, ``active_parameters`` and ``bits_per_weight`` follow from it and the usual bits
+    per weight of the file type (``unillm._plan.BITS_PER_WEIGHT``).
     """
 
     path: str
@@ -76,6 +85,7 @@ class ModelInfo:
     hybrid_attention: bool = False
     files: tuple[str, ...] = ()
     group_size: int | None = None
+    estimated: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -442,21 +452,35 @@ GGUF_FILE_TYPES = {
 }  # fmt: skip
 _FTYPE_GUESSED = 1024
 
-# Walking the length prefixes of a 150k-token vocabulary costs tens of milliseconds of Python, far
-# more than the rest of a header. The end of each long run of strings is remembered per version of
-# a file (device, inode, size, mtime, ctime), so reading the same file again (inspect, then load)
-# jumps over it. A file changed in the last seconds is not remembered: a second change within the
-# same timestamp tick would look like the same version (git's "racy" index entries).
-_STRING_RUNS: dict[tuple[int, ...], int] = {}
-_MAX_RUNS = 256
-_MIN_RUN = 4096
-_SETTLED_S = 2.0
+# A lazy read (inspection's) stops at the first array of more than _LAZY_STRINGS strings: its
+# length is what selection needs, and walking the length prefixes of a 150k-token vocabulary and
+# its merges costs tens of milliseconds of Python, where the rest of a header costs one. What comes
+# after the arrays is found, not walked to, when it must be: llama-quantize writes
+# general.file_type last (it removes the key and appends it), so in most downloaded files the
+# quantization and the tensor infos lie past the vocabulary. The key's bytes are searched for in
+# blocks and taken only where the keys after them parse and are followed by tensor infos laid out
+# as llama.cpp requires (each tensor right after the previous one, padded to the alignment) that
+# end with the file: a string that merely holds those bytes does not pass.
+_LAZY_STRINGS = 4096
+_FILE_TYPE_KEY = _U64.pack(17) + b"general.file_type"  # its length, then the key
+_SCAN_BLOCK = 1 << 20
+_TAIL_WINDOW = 32 << 20  # bytes searched past the arrays: real headers hold ~10 MB in all
+_TAIL_KEYS = 64  # keys from general.file_type to the tensor infos (llama-quantize writes ~6)
+_TAIL_CANDIDATES = 8  # places the key's bytes are tried at (a real file has one)
+_TAIL_SLACK = 4096  # tensor infos parsed at wrong places before the search gives up
 
 
 @dataclass
 class GGUFHeader:
     """What a GGUF file says about itself. Large arrays (the vocabulary) are kept as lengths only
-    unless asked for, so reading the header costs the same for a 40 MB and a 40 GB file."""
+    unless asked for, so reading the header costs the same for a 40 MB and a 40 GB file.
+
+    ``unread`` is None when the whole header was read. A lazy read (``read_gguf_header(...,
+    lazy=True)``) sets it to the byte range ``(start, end)`` it stepped over unread, from the first
+    string of the large array it stopped at to where it found general.file_type; ``end`` is None when
+    it read no further, so the tensor infos were not read either: then ``data_end``,
+    ``tensor_bytes`` are None, ``parameters`` 0, and ``data_offset`` is the lowest offset the data
+    can start at. ``unread_keys`` counts the key/values in the range (their names unknown)."""
 
     version: int
     metadata: dict[str, Any]
@@ -469,6 +493,8 @@ class GGUFHeader:
     tensor_bytes: int | None = 0  # bytes over all tensors; None when a tensor type is unknown
     expert_parameters: int = 0  # elements of the routed-expert tensors (names with "_exps")
     type_elements: dict[int, int] = field(default_factory=dict)  # ggml type -> elements
+    unread: tuple[int, int | None] | None = None
+    unread_keys: int = 0
 
     @property
     def architecture(self) -> str | None:
@@ -480,6 +506,11 @@ class GGUFHeader:
         return self.metadata.get(f"{self.architecture}.{key}")
 
     @property
+    def tensors_read(self) -> bool:
+        """Whether the tensor infos were read (always, but after a lazy read that stopped)."""
+        return self.unread is None or self.unread[1] is not None
+
+    @property
     def truncated(self) -> bool:
         return self.data_end is not None and self.data_end > self.file_size
 
@@ -489,16 +520,23 @@ class _Reader:
     is skipped by walking its length prefixes inside the block: one read per block, not per string.
     Every length is checked against the caps and the file before it is used."""
 
-    def __init__(self, f: FileIO, path: str, size: int, identity: tuple[int, ...] | None) -> None:
-        self.f, self.path, self.size, self.identity = f, path, size, identity
+    def __init__(self, f: FileIO, path: str, size: int) -> None:
+        self.f, self.path, self.size = f, path, size
         self.buf = b""
         self.base = 0  # the file offset of buf[0]
         self.pos = 0  # the next byte as an index into buf; past its end after a skip
         self.block = _FIRST_BLOCK
         self.n_strings = self.text = self.kept = 0  # against _MAX_STRINGS, _MAX_TEXT, _MAX_KEPT
+        self.records = 0  # tensor infos parsed, against the lazy search's budget
+        self.stopped: int | None = None  # where a lazy read stopped: the first string of an array
 
     def tell(self) -> int:
         return self.base + self.pos
+
+    def seek(self, offset: int) -> None:
+        """Go on reading at ``offset`` (a lazy read's jump past the arrays, and back)."""
+        self.f.seek(offset)
+        self.buf, self.base, self.pos, self.block = b"", offset, 0, _FIRST_BLOCK
 
     def corrupt(self, what: str) -> ModelFormatError:
         return ModelFormatError(f"{self.path!r}: {what} (corrupt or hostile file)")
@@ -556,8 +594,9 @@ class _Reader:
             raise self.corrupt(f"the GGUF keys and strings add up to more than {_MAX_TEXT >> 20} MiB")
         return self.take(n).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, keep_arrays: bool) -> tuple[Any, int | None]:
-        """A metadata value and, for an array, its length (the value is None for a skipped array)."""
+    def value(self, vtype: int, keep_arrays: bool, lazy: bool = False) -> tuple[Any, int | None]:
+        """A metadata value and, for an array, its length (the value is None for a skipped array).
+        ``lazy``: stop at a large string array (``stopped`` says where)."""
         s = _SCALAR_STRUCTS.get(vtype)
         if s is not None:
             return self.scalar(s), None
@@ -569,7 +608,7 @@ class _Reader:
         if etype == _ARRAY:
             raise self.corrupt("nested GGUF arrays are not supported")
         if etype == _STRING:
-            return self.string_array(n, keep_arrays), n
+            return self.string_array(n, keep_arrays, lazy), n
         code = _SCALARS.get(etype)
         if code is None:
             raise self.corrupt(f"unknown GGUF array type {etype}")
@@ -582,7 +621,7 @@ class _Reader:
         self.skip(n * width)
         return None, n
 
-    def string_array(self, n: int, keep: bool) -> list[str] | None:
+    def string_array(self, n: int, keep: bool, lazy: bool) -> list[str] | None:
         if n > _MAX_STRING_ARRAY or n * 8 > self.size - self.tell():
             raise self.corrupt(f"a GGUF array of {n} strings is implausible")
         self.n_strings += n
@@ -590,16 +629,13 @@ class _Reader:
             raise self.corrupt(f"the GGUF arrays hold more than {_MAX_STRINGS} strings")
         if keep:
             return [self.string(_MAX_STRING, "string") for _ in range(n)]
+        if lazy and n > _LAZY_STRINGS:
+            self.stopped = self.tell()
+            return None
         self.skip_strings(n)
         return None
 
     def skip_strings(self, n: int) -> None:
-        start = self.tell()
-        key = (*self.identity, start, n) if self.identity and n >= _MIN_RUN else None
-        end = _STRING_RUNS.get(key) if key else None
-        if end is not None:
-            self.pos += end - start
-            return
         unpack = _U64.unpack_from
         while n:
             if self.pos + 8 > len(self.buf):
@@ -615,18 +651,19 @@ class _Reader:
             n -= walked
             if self.tell() > self.size:
                 raise self.truncated()
-        if key:
-            if len(_STRING_RUNS) >= _MAX_RUNS:
-                _STRING_RUNS.clear()
-            _STRING_RUNS[key] = self.tell()
 
 
-def read_gguf_header(path: str | Path, *, keep_arrays: bool = False) -> GGUFHeader:
+def read_gguf_header(path: str | Path, *, keep_arrays: bool = False, lazy: bool = False) -> GGUFHeader:
     """Parse a GGUF file's header (metadata and tensor infos), never its tensor data.
 
     Raises ``ModelNotFound`` when nothing is at ``path`` and ``ModelFormatError`` for a directory,
     a FIFO or device, an unreadable file, a wrong magic, an unsupported version, or any length or
     count that cannot be right; large arrays are skipped (their lengths kept) unless ``keep_arrays``.
+
+    ``lazy`` (inspection's read; ignored with ``keep_arrays``) stops at the first array of more than
+    4,096 strings, the vocabulary, and reads on only from general.file_type when that comes after
+    it and is found (see ``GGUFHeader.unread``): the keys between are not read, nor checked. A full
+    read is the default, for what needs every key (a tokenizer's ids, the chat template).
     """
     p = Path(path)
     kind = _kind(p)
@@ -635,9 +672,8 @@ def read_gguf_header(path: str | Path, *, keep_arrays: bool = False) -> GGUFHead
     if kind == "dir":
         raise _gguf_directory(p)
     with _open(p) as f:
-        st = os.fstat(f.fileno())
         try:
-            return _parse_gguf(_Reader(f, str(p), st.st_size, _identity(st)), keep_arrays)
+            return _parse_gguf(_Reader(f, str(p), os.fstat(f.fileno()).st_size), keep_arrays, lazy)
         except UnillmError:
             raise
         except OSError as exc:  # a seek or read failing under us (EIO on a failing disk)
@@ -661,14 +697,7 @@ def _gguf_directory(p: Path) -> ModelFormatError:
     return ModelFormatError(f"{str(p)!r} is a directory, not a GGUF file: pass the path of a .gguf file")
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...] | None:
-    """What tells this version of a file from any other, or None while it may still be changing."""
-    if time.time() - max(st.st_mtime, st.st_ctime) < _SETTLED_S:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _parse_gguf(r: _Reader, keep_arrays: bool) -> GGUFHeader:
+def _parse_gguf(r: _Reader, keep_arrays: bool, lazy: bool) -> GGUFHeader:
     magic = r.take(4)
     if magic != GGUF_MAGIC:
         raise ModelFormatError(f"{r.path!r} is not a GGUF file (magic {magic!r}, want b'GGUF')")
@@ -682,19 +711,70 @@ def _parse_gguf(r: _Reader, keep_arrays: bool) -> GGUFHeader:
         raise r.corrupt(f"GGUF claims {n_tensors} tensors and {n_kv} keys in {r.size} bytes")
     metadata: dict[str, Any] = {}
     lengths: dict[str, int] = {}
-    for _ in range(n_kv):
+    lazy = lazy and not keep_arrays and n_tensors > 0  # a vocabulary-only file has nothing to skip to
+    for i in range(n_kv):
         key = r.string(_MAX_KEY, "key")
         if key in metadata:
             raise r.corrupt(f"the GGUF key {key[:200]!r} appears twice (llama.cpp refuses such files too)")
-        value, n = r.value(r.scalar(_U32), keep_arrays)
+        value, n = r.value(r.scalar(_U32), keep_arrays, lazy)
         if n is not None:
             lengths[key] = n
         metadata[key] = value
-    end: int | None = 0
-    parameters = expert_parameters = 0
-    nbytes: int | None = 0
-    type_elements: dict[int, int] = {}
+        if r.stopped is not None and n is not None:
+            return _lazy_rest(r, version, n_tensors, n_kv - i - 1, metadata, lengths, r.stopped, n)
+    alignment = _alignment(r, metadata)
+    infos = _tensor_infos(r, n_tensors, alignment)
+    header_end = r.tell()
+    if header_end > _MAX_HEADER:
+        raise r.corrupt(f"the GGUF header runs past {_MAX_HEADER >> 20} MiB")
+    data_offset = _align(header_end, alignment)
+    return GGUFHeader(
+        version,
+        metadata,
+        n_tensors,
+        data_offset,
+        None if infos.end is None else data_offset + infos.end,
+        r.size,
+        lengths,
+        infos.parameters,
+        infos.nbytes,
+        infos.expert_parameters,
+        infos.type_elements,
+    )
+
+
+def _alignment(r: _Reader, metadata: dict[str, Any]) -> int:
+    alignment = metadata.get("general.alignment", 32)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise r.corrupt(f"general.alignment {repr(alignment)[:40]} is not a power of two")
+    return alignment
+
+
+def _align(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
+
+
+@dataclass
+class _TensorInfos:
+    """What the tensor infos of one GGUF add up to."""
+
+    parameters: int = 0
+    expert_parameters: int = 0
+    nbytes: int | None = 0  # None when a tensor type is unknown
+    end: int | None = 0  # where the last tensor ends, from the data's start
+    padded: int = 0  # the data as llama.cpp lays it out: every tensor padded to the alignment
+    type_elements: dict[int, int] = field(default_factory=dict)
+
+
+def _tensor_infos(r: _Reader, n_tensors: int, alignment: int, limit: int | None = None) -> _TensorInfos:
+    """The ``n_tensors`` tensor infos from the current position. ``limit`` (the lazy search's
+    check): every type must be known and every tensor start where llama.cpp expects it, and the
+    reader's count of infos parsed stay within ``limit``."""
+    out = _TensorInfos()
     for _ in range(n_tensors):
+        r.records += 1
+        if limit is not None and r.records > limit:
+            raise r.corrupt("too many tensor infos tried")
         n = r.scalar(_U64)
         if n > _MAX_NAME:
             raise r.corrupt(f"a GGUF tensor name of {n} bytes is implausible")
@@ -709,37 +789,153 @@ def _parse_gguf(r: _Reader, keep_arrays: bool) -> GGUFHeader:
                 shown = name[:200].decode("utf-8", errors="replace")
                 raise r.corrupt(f"tensor {shown!r} claims more than 2^50 elements")
         ttype, offset = r.unpack(_TYPE_OFFSET)
-        parameters += elements
+        out.parameters += elements
         if b"_exps" in name:
-            expert_parameters += elements
-        type_elements[ttype] = type_elements.get(ttype, 0) + elements
+            out.expert_parameters += elements
+        out.type_elements[ttype] = out.type_elements.get(ttype, 0) + elements
         block = GGML_BLOCKS.get(ttype)
-        if block is None or end is None or nbytes is None:
-            end = nbytes = None
+        if limit is not None and (block is None or offset != out.padded):
+            raise r.corrupt("a tensor info unlike llama.cpp's layout")
+        if block is None or out.end is None or out.nbytes is None:
+            out.end = out.nbytes = None
         else:
             tensor_bytes = elements // block[0] * block[1]
-            nbytes += tensor_bytes
-            end = max(end, offset + tensor_bytes)
-    alignment = metadata.get("general.alignment", 32)
-    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
-        raise r.corrupt(f"general.alignment {repr(alignment)[:40]} is not a power of two")
-    header_end = r.tell()
-    if header_end > _MAX_HEADER:
+            out.nbytes += tensor_bytes
+            out.end = max(out.end, offset + tensor_bytes)
+            out.padded += _align(tensor_bytes, alignment)
+    return out
+
+
+def _lazy_rest(
+    r: _Reader,
+    version: int,
+    n_tensors: int,
+    rest: int,
+    metadata: dict[str, Any],
+    lengths: dict[str, int],
+    start: int,
+    n: int,
+) -> GGUFHeader:
+    """A lazy read stopped at ``start``, the first of ``n`` strings, ``rest`` keys before the tensor
+    infos."""
+    if "general.alignment" in metadata:
+        _alignment(r, metadata)  # checked as the full read checks it
+    after = start + 8 * n  # each string has at least its length
+    if "general.file_type" not in metadata and rest:
+        tail = _find_tail(r, after, rest, n_tensors, metadata)
+        if tail is not None:
+            infos = tail.infos
+            return GGUFHeader(
+                version,
+                metadata | tail.metadata,
+                n_tensors,
+                tail.data_offset,
+                None if infos.end is None else tail.data_offset + infos.end,
+                r.size,
+                lengths | tail.lengths,
+                infos.parameters,
+                infos.nbytes,
+                infos.expert_parameters,
+                infos.type_elements,
+                unread=(start, tail.at),
+                unread_keys=rest - len(tail.metadata),
+            )
+    lowest = after + rest * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES
+    if lowest > r.size:
+        raise r.truncated()
+    if lowest > _MAX_HEADER:
         raise r.corrupt(f"the GGUF header runs past {_MAX_HEADER >> 20} MiB")
-    data_offset = (header_end + alignment - 1) // alignment * alignment
     return GGUFHeader(
         version,
         metadata,
         n_tensors,
-        data_offset,
-        None if end is None else data_offset + end,
+        lowest,
+        None,
         r.size,
         lengths,
-        parameters,
-        nbytes,
-        expert_parameters,
-        type_elements,
+        tensor_bytes=None,
+        unread=(start, None),
+        unread_keys=rest,
     )
+
+
+@dataclass
+class _Tail:
+    """The keys from general.file_type on and the tensor infos, as a lazy read found them."""
+
+    at: int
+    metadata: dict[str, Any]
+    lengths: dict[str, int]
+    infos: _TensorInfos
+    data_offset: int
+
+
+def _find_tail(r: _Reader, after: int, rest: int, n_tensors: int, head: dict[str, Any]) -> _Tail | None:
+    """The tail of the header past the arrays, found from general.file_type's bytes; None if they
+    are not found, or nowhere verified, within the bounds (the file is then read whole)."""
+    end = min(r.size, _MAX_HEADER, after + _TAIL_WINDOW)
+    limit = n_tensors + _TAIL_SLACK
+    for tries, at in enumerate(_positions(r, _FILE_TYPE_KEY, after, end)):
+        if tries == _TAIL_CANDIDATES or r.records > limit:
+            return None
+        try:
+            return _tail_at(r, at, min(rest, _TAIL_KEYS), n_tensors, head, limit)
+        except ModelFormatError:
+            continue  # the key's bytes inside a string, or a tail the full read will report
+    return None
+
+
+def _tail_at(r: _Reader, at: int, keys: int, n_tensors: int, head: dict[str, Any], limit: int) -> _Tail:
+    """The keys from ``at`` on, then the tensor infos, which must follow one of the first ``keys``
+    keys laid out as llama.cpp requires and end with the file; ModelFormatError where they do not."""
+    r.seek(at)
+    metadata: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for _ in range(keys):
+        key = r.string(_MAX_KEY, "key")
+        if key in head or key in metadata:
+            raise r.corrupt(f"the GGUF key {key[:200]!r} appears twice")
+        value, n = r.value(r.scalar(_U32), False)
+        if n is not None:
+            lengths[key] = n
+        metadata[key] = value
+        mark = r.tell()
+        alignment = _alignment(r, head | metadata)
+        try:
+            infos = _tensor_infos(r, n_tensors, alignment, limit)
+        except ModelFormatError:
+            if r.records > limit:
+                raise
+            r.seek(mark)
+            continue
+        data_offset = _align(r.tell(), alignment)
+        lowest = data_offset + infos.end if n_tensors and infos.end is not None else r.tell()
+        if lowest <= r.size <= data_offset + infos.padded:
+            return _Tail(at, metadata, lengths, infos, data_offset)
+        r.seek(mark)
+    raise r.corrupt("no tensor infos follow the keys")
+
+
+def _positions(r: _Reader, needle: bytes, begin: int, end: int) -> Iterator[int]:
+    """Where ``needle`` starts between ``begin`` and ``end``. One buffer is read into again and
+    again (a fresh one per block costs its page faults); blocks overlap by the needle's length less
+    one, so that no occurrence is missed or found twice."""
+    buf = bytearray(min(_SCAN_BLOCK, max(0, end - begin)))
+    pos = begin
+    while end - pos >= len(needle):
+        want = min(len(buf), end - pos)
+        r.f.seek(pos)  # the caller reads elsewhere between the occurrences
+        try:
+            got = r.f.readinto(memoryview(buf)[:want]) or 0
+        except OSError as exc:
+            raise _unreadable(Path(r.path), exc) from exc
+        i = buf.find(needle, 0, got)
+        while i >= 0:
+            yield pos + i
+            i = buf.find(needle, i + 1, got)
+        if got < want:  # the end of the file (a short read otherwise only ends the search early)
+            return
+        pos += got - len(needle) + 1
 
 
 # ---- inspect_model ---------------------------------------------------------------------------
@@ -828,9 +1024,21 @@ def _gguf_parts(p: Path) -> list[Path]:
     return parts
 
 
-def _inspect_gguf(p: Path) -> ModelInfo:
+# What a lazy read must have seen for its answer to be the full read's: the shape selection and the
+# planner use. Whatever else inspection reads is taken as absent when it is not there: writers put
+# the <arch>.* keys together, before the tokenizer (convert_hf_to_gguf), and llama-quantize and
+# gguf-split keep them in place and append what they add after general.file_type, in the tail a
+# lazy read finds in their layout.
+_LAZY_NEEDS = ("block_count", "embedding_length", "attention.head_count", "context_length")
+_ESTIMATED = ("weights_bytes", "parameters", "active_parameters", "bits_per_weight")
+
+
+def _inspect_gguf(p: Path, *, lazy: bool = True) -> ModelInfo:
     parts = _gguf_parts(p)
-    headers = [read_gguf_header(q) for q in parts]
+    headers = []
+    for q in parts:
+        h = read_gguf_header(q, lazy=lazy)
+        headers.append(h if _lazy_enough(h) else read_gguf_header(q))
     for q, h in zip(parts, headers, strict=True):
         if h.truncated:
             raise ModelFormatError(
@@ -854,15 +1062,20 @@ def _inspect_gguf(p: Path) -> ModelInfo:
 
     params = sum(h.parameters for h in headers)
     sizes = [h.tensor_bytes for h in headers]
+    estimated: tuple[str, ...] = ()
+    for i, h in enumerate(headers):
+        bpw = _file_type_bits(h.metadata)
+        if not h.tensors_read and bpw is not None:  # _lazy_enough saw to bpw
+            # the data runs from where it can start at the earliest to the end of the file
+            sizes[i] = upper = h.file_size - h.data_offset
+            params += round(upper * 8 / bpw)
+            estimated = _ESTIMATED
     nbytes = None if any(b is None for b in sizes) else sum(b for b in sizes if b is not None)
     type_elements: dict[int, int] = {}
     for h in headers:
         for t, n in h.type_elements.items():
             type_elements[t] = type_elements.get(t, 0) + n
-    quant = None
-    ftype = _int(md.get("general.file_type"))
-    if ftype is not None:
-        quant = GGUF_FILE_TYPES.get(ftype & ~_FTYPE_GUESSED)
+    quant = _file_type_name(md)
     if quant is None and type_elements:  # no (or an unknown) file type: the dominant tensor type
         quant = GGML_TYPE_NAMES.get(max(type_elements, key=lambda t: type_elements[t]))
     heads, hidden = av("attention.head_count"), av("embedding_length")
@@ -901,7 +1114,33 @@ def _inspect_gguf(p: Path) -> ModelInfo:
         multimodal=multimodal,
         hybrid_attention=hybrid,
         files=tuple(str(q) for q in parts),
+        estimated=estimated,
     )
+
+
+def _lazy_enough(h: GGUFHeader) -> bool:
+    """Whether a lazy read holds what inspection takes from the file; if not, it is read whole."""
+    if h.unread is None:
+        return True
+    if h.architecture is None or "tokenizer.ggml.tokens" not in h.array_lengths:
+        return False
+    if any(_int(h.arch_value(key)) is None for key in _LAZY_NEEDS):
+        return False  # the <arch>.* keys come after the vocabulary: nothing can be taken as absent
+    if h.tensors_read:
+        return True
+    # no tensor infos: the size of the weights is bounded by the file's, the parameters follow from
+    # the file type's bits per weight, and a MoE's active parameters need the tensor names
+    return _file_type_bits(h.metadata) is not None and f"{h.architecture}.expert_count" not in h.metadata
+
+
+def _file_type_name(md: dict[str, Any]) -> str | None:
+    ftype = _int(md.get("general.file_type"))
+    return None if ftype is None else GGUF_FILE_TYPES.get(ftype & ~_FTYPE_GUESSED)
+
+
+def _file_type_bits(md: dict[str, Any]) -> float | None:
+    """The usual bits per weight of the file type, scales included (the planner's table)."""
+    return bits_per_weight(_file_type_name(md))
 
 
 # ---- Hugging Face directories -----------------------------------------------------------------
