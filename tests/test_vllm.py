@@ -8,10 +8,13 @@ error cases that need a start, and the load/close cycles start their own. Desele
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
 import logging
+import multiprocessing
+import os
 import subprocess
 import sys
 import threading
@@ -100,6 +103,23 @@ def new_processes(before: set[int]) -> list[Any]:
             return False
 
     return [p for p in psutil.Process().children(recursive=True) if p.pid not in before and not tracker(p)]
+
+
+def wait_gone(procs: list[Any], timeout: float = 15.0) -> list[Any]:
+    """Wait until ``procs`` have exited; the ones still running. Exited is enough: reaping them
+    here (psutil.wait_procs) would take them from multiprocessing, which then keeps each one's
+    Process object, and its sentinel pipe, for good."""
+    import psutil
+
+    def running(p: Any) -> bool:
+        try:
+            return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    wait_for(lambda: not any(running(p) for p in procs), timeout)
+    multiprocessing.active_children()  # reaps the exited ones, as multiprocessing's next start would
+    return [p for p in procs if running(p)]
 
 
 # ---- parity ----
@@ -522,11 +542,18 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
             expected = expected or ids
             assert ids == expected
             ref = weakref.ref(eng._engine)
-            eng.close()
+            open_stream = eng.stream("A story that is still being told", LONG)
+            next(open_stream)
+            closer = threading.Thread(target=eng.close)  # close() from another thread, mid-stream
+            closer.start()
+            closer.join()
+            with pytest.raises(EngineClosed, match="closed"):
+                for _ in open_stream:  # at most what was generated before close(), then the error
+                    pass
             gc.collect()
             assert ref() is None, "the AsyncLLM is freed"
             assert_closed(eng)
-            _, alive = psutil.wait_procs(started, timeout=15)
+            alive = wait_gone(started)
             assert not alive, f"engine processes still running: {alive}"
     finally:
         engine_log.removeHandler(handler)
@@ -589,8 +616,6 @@ def test_a_script_that_never_closes_the_engine_exits_quietly(tiny: TinyModel, tm
 def test_tensor_parallel_two_on_cpu_gives_the_same_greedy_tokens(engine: Any, tiny: TinyModel) -> None:
     """tp=2 from config alone: unillm picks the mp executor and gives each rank its own cores
     (vLLM's "auto" binding refuses two ranks on one NUMA node)."""
-    import os
-
     alone = [engine.generate(p, GREEDY).token_ids for p in PROMPTS]
     before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     tp2 = open_vllm(tiny, tensor_parallel_size=2)
@@ -606,12 +631,19 @@ def test_tensor_parallel_two_on_cpu_gives_the_same_greedy_tokens(engine: Any, ti
 # ---- leaks ----
 
 
+def open_fds() -> dict[int, str]:
+    """This process's file descriptors and what each one is (Linux)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return out
+
+
 @pytest.mark.slow
 def test_load_close_cycles_leak_no_threads_descriptors_processes_or_memory(tiny: TinyModel) -> None:
     """UNILLM_VLLM_LEAK_CYCLES (default 20) load/generate/close cycles; what the first cycle leaves
     (imports, vLLM's caches, multiprocessing's resource tracker) is the baseline."""
-    import os
-
     psutil = pytest.importorskip("psutil")
     cycles = int(os.environ.get("UNILLM_VLLM_LEAK_CYCLES", "20"))
     me = psutil.Process()
@@ -624,9 +656,11 @@ def test_load_close_cycles_leak_no_threads_descriptors_processes_or_memory(tiny:
         eng.close()
         del eng
         gc.collect()
-        _, alive = psutil.wait_procs(new_processes(before), timeout=15)
+        alive = wait_gone(new_processes(before))
         assert not alive, f"engine processes still running: {alive}"
         readings.append((me.num_threads(), me.num_fds(), len(new_processes(before)), me.memory_info().rss))
+        if len(readings) == 1:
+            first_fds = open_fds()
     took = time.perf_counter() - t0
     threads, fds, children, rss = zip(*readings, strict=True)
     print(
@@ -635,6 +669,7 @@ def test_load_close_cycles_leak_no_threads_descriptors_processes_or_memory(tiny:
         f"RSS {rss[0] / 2**20:.1f} -> {rss[-1] / 2**20:.1f} MiB (max {max(rss) / 2**20:.1f})"
     )
     assert max(threads[1:], default=threads[0]) <= threads[0], threads
-    assert max(fds[1:], default=fds[0]) <= fds[0], fds
+    grown = {fd: what for fd, what in open_fds().items() if first_fds.get(fd) != what}
+    assert max(fds[1:], default=fds[0]) <= fds[0], (fds, grown)
     assert children[-1] == 0
     assert rss[-1] - rss[0] < 20 * 2**20, [r // 2**20 for r in rss]

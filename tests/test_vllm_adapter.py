@@ -21,7 +21,7 @@ from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
 from unillm.engines import vllm as backend
 from unillm.engines._vllm_runtime import Mailbox, OutputCapture
-from unillm.engines._vllm_start import load_error
+from unillm.engines._vllm_start import load_error, weights_dtype
 from unillm.engines.vllm import VLLMEngine
 from unillm.testing import TinyModel
 
@@ -162,7 +162,7 @@ def test_cpu_tensor_parallelism_runs_mp_with_each_rank_on_its_own_cores(
 ) -> None:
     cpu_machine(monkeypatch)
     monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(backend, "_numa_nodes", lambda: 1)
+    monkeypatch.setattr(backend, "numa_nodes", lambda: 1)
     eng = VLLMEngine(model=str(tiny.hf_dir), options={"tensor_parallel_size": 2})
     args = eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
     assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "mp"
@@ -221,14 +221,14 @@ def test_the_weights_dtype_is_read_from_the_checkpoint(
 ) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     info = ModelInfo(str(tmp_path), "safetensors", quantization=stored)
-    got, reason = backend._weights_dtype(tmp_path, info)
+    got, reason = weights_dtype(tmp_path, info)
     assert got == dtype
     assert why in reason
 
 
 def test_quantized_weights_leave_the_activation_dtype_to_vllm(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
-    got, reason = backend._weights_dtype(tmp_path, ModelInfo(str(tmp_path), "gptq", quantization="gptq"))
+    got, reason = weights_dtype(tmp_path, ModelInfo(str(tmp_path), "gptq", quantization="gptq"))
     assert got == "auto" and "gptq" in reason
 
 

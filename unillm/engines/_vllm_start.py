@@ -1,16 +1,19 @@
 """Starting vLLM's engine for the backend: the import (on a thread of its own), the engine
 arguments checked against this vLLM, the ``AsyncLLM`` created on the engine loop with the engine
-processes' output captured, and start-up failures mapped to unillm's errors."""
+processes' output captured, start-up failures mapped to unillm's errors with the engine's cause
+lines, and what the engine arguments read from the model (its dtype) and the machine (NUMA nodes)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from unillm._errors import (
@@ -23,7 +26,16 @@ from unillm._errors import (
 )
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, OutputCapture, stat_logger_factory
 
-__all__ = ["VLLMModules", "cause_lines", "import_vllm", "load_error", "quiet_vllm_logger", "start"]
+__all__ = [
+    "VLLMModules",
+    "cause_lines",
+    "import_vllm",
+    "load_error",
+    "numa_nodes",
+    "quiet_vllm_logger",
+    "start",
+    "weights_dtype",
+]
 
 
 class VLLMModules:
@@ -196,6 +208,57 @@ def load_error(exc: Exception, capture: OutputCapture, args: Mapping[str, Any]) 
         f"vLLM failed to start the engine for {model!r}: {text}{quoted}\n"
         "The engine's full output is on the 'unillm.vllm.engine' logger (level DEBUG)."
     )
+
+
+# ---- engine arguments read from the model and the machine ----
+
+# A checkpoint's dtype names (config.json, safetensors headers) -> vLLM's dtype names.
+_VLLM_DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}  # fmt: skip
+_MAX_CONFIG = 16 << 20
+
+
+def weights_dtype(path: Path, info: Any) -> tuple[str, str]:
+    """The dtype vLLM should run the weights in, and why: the checkpoint's own (config.json's
+    ``torch_dtype``/``dtype``, else the safetensors headers'), or "auto" (vLLM's choice) where
+    the weights are quantized or their dtype is not one vLLM runs."""
+    fmt = getattr(info, "format", "safetensors")
+    if fmt != "safetensors":
+        return "auto", f"{fmt} weights: vLLM picks the activation dtype its {fmt} kernels take"
+    config = _read_json(path / "config.json")
+    inner = config.get("text_config")
+    text: dict[str, Any] = inner if isinstance(inner, dict) else {}
+    for src, key in ((config, "torch_dtype"), (config, "dtype"), (text, "torch_dtype"), (text, "dtype")):
+        name = src.get(key)
+        if isinstance(name, str):
+            if name.lower() in _VLLM_DTYPES:
+                return _VLLM_DTYPES[name.lower()], f"the weights' own (config.json {key}={name!r})"
+            return "auto", f"config.json {key}={name!r} is not a dtype vLLM runs: vLLM chooses (auto)"
+    stored = getattr(info, "quantization", None)
+    if isinstance(stored, str) and stored in _VLLM_DTYPES:
+        return _VLLM_DTYPES[stored], f"the weights' own ({stored} in the safetensors files)"
+    return "auto", "neither config.json nor the weight files name a dtype: vLLM chooses (auto)"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > _MAX_CONFIG:
+            return {}
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def numa_nodes() -> int | None:
+    """NUMA nodes with memory on this machine (vLLM's CPU build binds one rank per node)."""
+    try:
+        return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or None
+    except OSError:
+        return None
 
 
 def quiet_vllm_logger() -> None:

@@ -26,14 +26,14 @@ import functools
 import gc
 import importlib.util
 import itertools
-import json
 import logging
+import multiprocessing
 import os
 import queue
 import sys
 import threading
 import weakref
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -54,7 +54,7 @@ from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats
 from unillm.engines._common import check_prompt, gpu_present, token_ids
 from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan, plan_parallel
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
-from unillm.engines._vllm_start import import_vllm, quiet_vllm_logger, start
+from unillm.engines._vllm_start import import_vllm, numa_nodes, quiet_vllm_logger, start, weights_dtype
 
 __all__ = ["VLLMEngine", "VLLMOptions"]
 
@@ -74,13 +74,6 @@ _ELSEWHERE = {
 _CPU_KV_SHARE = 0.25
 _CPU_KV_FLOOR = 256 << 20
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
-# A checkpoint's dtype names (config.json, safetensors headers) -> vLLM's dtype names.
-_VLLM_DTYPES = {
-    "float32": "float32", "float": "float32", "fp32": "float32", "f32": "float32",
-    "float16": "float16", "half": "float16", "fp16": "float16", "f16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}  # fmt: skip
-_MAX_CONFIG = 16 << 20
 _END = object()
 _ids = itertools.count(1)
 
@@ -306,10 +299,10 @@ class VLLMEngine(Engine[VLLMOptions]):
             num_gpus=opts.num_gpus,
             distributed_executor=opts.distributed_executor,
             cpu_ids=cpu_ids if device == "cpu" else None,
-            numa_nodes=_numa_nodes() if device == "cpu" else None,
+            numa_nodes=numa_nodes() if device == "cpu" else None,
         )
         self.parallel = parallel
-        dtype, why = (opts.dtype, "asked for") if opts.dtype else _weights_dtype(path, info)
+        dtype, why = (opts.dtype, "asked for") if opts.dtype else weights_dtype(path, info)
         self._notes: list[str] = [f"dtype {dtype}: {why}", *parallel.notes]
         max_len = opts.max_model_len or self.config.context_length
         args: dict[str, Any] = {
@@ -403,13 +396,20 @@ class VLLMEngine(Engine[VLLMOptions]):
         """On the engine's loop: run one vLLM request, handing its raw pieces to ``put``, then an
         error (mapped) if it fails, and ``_END``. Cancelling this task aborts the request in vLLM
         (its ``generate`` does so on cancellation)."""
+        closed = EngineClosed(f"{self.name}: the engine was closed while this request ran")
         try:
+            engine = self._engine
+            if engine is None:  # close() came between the call and this task
+                put(closed)
+                return
             rid = f"unillm-{next(_ids)}"
-            async for out in self._engine.generate(self._vllm.tokens_input(ids), sp, rid):
+            async for out in engine.generate(self._vllm.tokens_input(ids), sp, rid):
                 piece = self._piece(out, req)
                 if piece is not None:
                     put(piece)
         except asyncio.CancelledError:
+            # close() cancels every request; a consumer that stopped itself reads no more
+            put(closed)
             raise
         except BaseException as exc:
             put(self._generation_error(exc))
@@ -422,7 +422,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         ids, sp = prepared
         req.prompt_tokens = len(ids)
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        future = self._loop.submit(self._pump(ids, sp, req, q.put))
+        future = self._submit(self._pump(ids, sp, req, q.put))
         try:
             while (item := q.get()) is not _END:
                 if isinstance(item, UnillmError):
@@ -438,7 +438,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         req.prompt_tokens = len(ids)
         q: asyncio.Queue[Any] = asyncio.Queue()
         post = functools.partial(self._mailbox(asyncio.get_running_loop()).post, q)
-        future = self._loop.submit(self._pump(ids, sp, req, post))
+        future = self._submit(self._pump(ids, sp, req, post))
         try:
             while (item := await q.get()) is not _END:
                 if isinstance(item, UnillmError):
@@ -446,6 +446,13 @@ class VLLMEngine(Engine[VLLMOptions]):
                 yield item
         finally:
             future.cancel()  # a no-op once the request has ended; else it aborts it in vLLM
+
+    def _submit(self, pump: Coroutine[Any, Any, None]) -> Any:
+        try:
+            return self._loop.submit(pump)
+        except RuntimeError as exc:  # the engine's loop is closed: close() came first
+            pump.close()
+            raise EngineClosed(f"{self.name}: the engine was closed; load() it again") from exc
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         with self._mailbox_lock:
@@ -588,6 +595,9 @@ class VLLMEngine(Engine[VLLMOptions]):
             self._capture.stop()
             del engine
             gc.collect()
+            # vLLM kills an engine process that outlives its 5 s of grace without reaping it;
+            # multiprocessing reaps the exited ones (each with its pipe) at its next start, or here.
+            multiprocessing.active_children()
 
 
 # ---- helpers ----
@@ -670,46 +680,6 @@ def _close_at_exit(ref: weakref.ref[VLLMEngine]) -> None:
     if engine is not None:
         with contextlib.suppress(Exception):  # exiting: nobody is left to tell
             engine.close()
-
-
-def _weights_dtype(path: Path, info: Any) -> tuple[str, str]:
-    """The dtype vLLM should run the weights in, and why: the checkpoint's own (config.json's
-    ``torch_dtype``/``dtype``, else the safetensors headers'), or "auto" (vLLM's choice) where
-    the weights are quantized or their dtype is not one vLLM runs."""
-    fmt = getattr(info, "format", "safetensors")
-    if fmt != "safetensors":
-        return "auto", f"{fmt} weights: vLLM picks the activation dtype its {fmt} kernels take"
-    config = _read_json(path / "config.json")
-    inner = config.get("text_config")
-    text: dict[str, Any] = inner if isinstance(inner, dict) else {}
-    for src, key in ((config, "torch_dtype"), (config, "dtype"), (text, "torch_dtype"), (text, "dtype")):
-        name = src.get(key)
-        if isinstance(name, str):
-            if name.lower() in _VLLM_DTYPES:
-                return _VLLM_DTYPES[name.lower()], f"the weights' own (config.json {key}={name!r})"
-            return "auto", f"config.json {key}={name!r} is not a dtype vLLM runs: vLLM chooses (auto)"
-    stored = getattr(info, "quantization", None)
-    if isinstance(stored, str) and stored in _VLLM_DTYPES:
-        return _VLLM_DTYPES[stored], f"the weights' own ({stored} in the safetensors files)"
-    return "auto", "neither config.json nor the weight files name a dtype: vLLM chooses (auto)"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > _MAX_CONFIG:
-            return {}
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _numa_nodes() -> int | None:
-    """NUMA nodes with memory on this machine (vLLM's CPU build binds one rank per node)."""
-    try:
-        return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or None
-    except OSError:
-        return None
 
 
 def _kv_dtype(option: str, model_dtype: str) -> str:
