@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from unillm.testing import TinyModel
 
-HAS = {"llama.cpp": importlib.util.find_spec("llama_cpp"), "mlx": importlib.util.find_spec("mlx_lm")}
+HAS = {
+    "llama.cpp": importlib.util.find_spec("llama_cpp") is not None,
+    "mlx": importlib.util.find_spec("mlx_lm") is not None,
+    "exllamav2": True,  # on the faithful fake of its API (tests/fake_exllamav2): it needs CUDA
+}
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not HAS[b], reason=f"{b} not installed")) for b in HAS]
+FAKE_EXLLAMAV2 = Path(__file__).resolve().parent / "fake_exllamav2"
 
 _OPEN = """
 import gc, json, os, sys, threading, time
@@ -24,6 +31,9 @@ def open_engine():
     if sys.argv[1] == "llama.cpp":
         from unillm.engines.llamacpp import LlamaCppEngine
         return LlamaCppEngine(model=sys.argv[2], context_length=512).load()
+    if sys.argv[1] == "exllamav2":
+        from unillm.engines.exllamav2 import ExLlamaV2Engine
+        return ExLlamaV2Engine(model=sys.argv[3], context_length=512).load()
     from unillm.engines.mlx import MLXEngine
     return MLXEngine(model=sys.argv[3], options={"batch_size": int(sys.argv[4])}).load()
 """
@@ -92,7 +102,11 @@ print(json.dumps(marks))
 
 def _run(script: str, backend: str, tiny: TinyModel, batch: int = 8) -> object:
     args = [sys.executable, "-c", script, backend, str(tiny.gguf_path), str(tiny.hf_dir), str(batch)]
-    out = subprocess.run(args, check=False, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ)
+    if backend == "exllamav2":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_EXLLAMAV2), env.get("PYTHONPATH")]))
+        env["UNILLM_EXLLAMAV2_ASSUME_GPU"] = "1"
+    out = subprocess.run(args, check=False, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, f"exit {out.returncode}:\n{out.stderr[-3000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -300,7 +300,8 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             seed=seed,
             stop_conditions=list(dict.fromkeys([*stops, *params.stop])),
         )
-        live = self._runner.submit(job)
+        runner = self._runner  # close() drops the attribute while this stream may still run
+        live = runner.submit(job)
         finished = False
         try:
             while True:
@@ -332,7 +333,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                     return
         finally:
             if not finished:
-                self._runner.cancel(live)
+                runner.cancel(live)
 
     def _held_before_stop(self, r: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
         """Text exllamav2 still held (a partial stop string, an unfinished character) when a stop
