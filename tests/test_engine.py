@@ -173,8 +173,10 @@ def test_unsupported_parameter_strict_raises_with_the_fix() -> None:
 
 def test_unsupported_parameter_warn_and_drop() -> None:
     warn = MockEngine(REPLY, capabilities=NARROW, unsupported_params="warn").load()
-    with pytest.warns(UnillmWarning, match="ignores top_k"):
+    with pytest.warns(UnillmWarning, match="ignores top_k") as caught:
         assert warn.generate("q", top_k=5).text == REPLY
+    # the warning points at the caller's line (generate calls stream inside unillm)
+    assert caught[0].filename == __file__
     drop = MockEngine(REPLY, capabilities=NARROW, unsupported_params="drop").load()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
