@@ -190,7 +190,7 @@ def warn(message: str, category: type[Warning] = UnillmWarning) -> None:
     """``warnings.warn`` pointing at the caller's line: the first frame outside unillm, however
     deep inside unillm the warning is raised (a fixed ``stacklevel`` points at unillm itself when
     ``generate`` calls ``stream``)."""
-    level, frame = 1, sys._getframe(1)
+    level, frame = 2, sys._getframe(1)  # stacklevel 2 is the frame that called warn()
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
