@@ -252,3 +252,13 @@ def test_mock_engine_loads_through_a_registry() -> None:
     e = load_engine({"model": "anything", "backend": "mock", "context_length": 64}, registry=reg)
     assert e.name == "mock" and e.kv_stats().capacity_tokens == 64
     assert e.generate("q").finish_reason == "stop"
+
+
+def test_check_closed_on_a_never_loaded_and_a_closed_engine() -> None:
+    from unillm.testing import check_closed
+
+    e = MockEngine(REPLY)
+    assert "generate" in check_closed(e)  # never loaded
+    e.load()
+    e.close()
+    check_closed(e)

@@ -426,3 +426,14 @@ def test_cancelling_an_async_stream_stops_generation(llama: Any) -> None:
     again = llama.generate(PROMPT, GREEDY)  # waits for the worker to stop, then runs normally
     assert again.token_ids == full.token_ids
     assert llama.kv_stats().used_tokens < 200
+
+
+def test_a_closed_engine_passes_check_closed(tiny_gguf: Path) -> None:
+    from unillm.engines.llamacpp import LlamaCppEngine
+    from unillm.testing import check_closed
+
+    e = LlamaCppEngine(model=str(tiny_gguf), context_length=256)
+    check_closed(e)
+    e.load()
+    e.close()
+    check_closed(e)

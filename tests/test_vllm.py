@@ -35,7 +35,7 @@ from unillm import (
     SamplingParams,
     load_engine,
 )
-from unillm.testing import TinyModel, check_engine
+from unillm.testing import TinyModel, check_closed, check_engine
 
 pytestmark = [
     pytest.mark.vllm,
@@ -552,7 +552,7 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
                     pass
             gc.collect()
             assert ref() is None, "the AsyncLLM is freed"
-            assert_closed(eng)
+            check_closed(eng)
             alive = wait_gone(started)
             assert not alive, f"engine processes still running: {alive}"
     finally:
@@ -561,26 +561,6 @@ def test_load_close_cycles_free_the_engine_and_its_processes(tiny: TinyModel) ->
     text = "\n".join(r.getMessage() for r in records)
     assert "EngineCore" in text  # the engine processes' output reached logging
     assert {r.levelno for r in records} == {logging.DEBUG}  # vLLM's warnings too: nothing on stderr
-
-
-def assert_closed(eng: Any) -> None:
-    """Every public method of a closed engine raises EngineClosed."""
-    hello = [{"role": "user", "content": "hi"}]
-    calls = {
-        "kv_stats": eng.kv_stats,
-        "tokenize": lambda: eng.tokenize("hi"),
-        "detokenize": lambda: eng.detokenize([1]),
-        "render_chat": lambda: eng.render_chat(hello),
-        "chat": lambda: eng.chat(hello),
-        "reset": eng.reset,
-        "generate": lambda: eng.generate("hi"),
-        "stream": lambda: eng.stream("hi"),
-        "agenerate": lambda: asyncio.run(eng.agenerate("hi")),
-    }
-    for name, call in calls.items():
-        with pytest.raises(EngineClosed):
-            call()
-            pytest.fail(f"{name} did not raise on a closed engine")
 
 
 EXIT_WITHOUT_CLOSE = """

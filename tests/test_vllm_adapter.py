@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from unillm import BackendUnavailable, ConfigError, EngineClosed, ModelFormatError, OutOfMemory
+from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemory
 from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
@@ -23,7 +23,7 @@ from unillm.engines import vllm as backend
 from unillm.engines._vllm_runtime import Mailbox, OutputCapture
 from unillm.engines._vllm_start import load_error, weights_dtype
 from unillm.engines.vllm import VLLMEngine
-from unillm.testing import TinyModel
+from unillm.testing import TinyModel, check_closed
 
 GiB = 1 << 30
 
@@ -351,22 +351,7 @@ def test_the_architecture_refusal_drops_vllms_list_of_every_architecture() -> No
 
 def test_every_method_of_a_never_loaded_engine_raises_engine_closed(tiny: TinyModel) -> None:
     eng = VLLMEngine(model=str(tiny.hf_dir))
-    hello = [{"role": "user", "content": "hi"}]
-    calls = {
-        "kv_stats": eng.kv_stats,
-        "tokenize": lambda: eng.tokenize("hi"),
-        "detokenize": lambda: eng.detokenize([1]),
-        "render_chat": lambda: eng.render_chat(hello),
-        "chat": lambda: eng.chat(hello),
-        "reset": eng.reset,
-        "generate": lambda: eng.generate("hi"),
-        "stream": lambda: eng.stream("hi"),
-        "agenerate": lambda: asyncio.run(eng.agenerate("hi")),
-    }
-    for name, call in calls.items():
-        with pytest.raises(EngineClosed):
-            call()
-            pytest.fail(f"{name} did not raise")
+    check_closed(eng)
     eng.close()  # closing an engine that never loaded is a no-op
 
 

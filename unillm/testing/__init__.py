@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "MockEngine": "unillm.testing._mock",
     "WordVocab": "unillm.testing._mock",
+    "check_closed": "unillm.testing._conformance",
     "check_engine": "unillm.testing._conformance",
     "check_parity": "unillm.testing._parity",
     "ParityReport": "unillm.testing._parity",
@@ -32,6 +33,7 @@ __all__ = [
     "TinyModel",
     "TinySpec",
     "build_tiny_model",
+    "check_closed",
     "check_engine",
     "check_parity",
     "tiny_model",
@@ -40,7 +42,7 @@ __all__ = [
 
 
 if TYPE_CHECKING:
-    from unillm.testing._conformance import check_engine
+    from unillm.testing._conformance import check_closed, check_engine
     from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model

@@ -15,9 +15,10 @@ import asyncio
 from typing import Any
 
 from unillm._engine import Engine
+from unillm._errors import EngineClosed
 from unillm._types import KVStats, SamplingParams
 
-__all__ = ["check_engine"]
+__all__ = ["check_closed", "check_engine"]
 
 
 def check_engine(engine: Engine[Any], prompt: str = "The quick brown fox", max_tokens: int = 12) -> list[str]:
@@ -95,6 +96,30 @@ def check_engine(engine: Engine[Any], prompt: str = "The quick brown fox", max_t
         _check(engine.detokenize(ids_rt) == prompt, "detokenize(tokenize(x)) == x", f"{ids_rt}")
         passed.append("tokenizer-round-trip")
     return passed
+
+
+def check_closed(engine: Engine[Any]) -> list[str]:
+    """Check that every public method of a closed (or never-loaded) ``engine`` raises
+    ``EngineClosed``; return the names of the methods checked."""
+    hello = [{"role": "user", "content": "hi"}]
+    calls = {
+        "kv_stats": engine.kv_stats,
+        "tokenize": lambda: engine.tokenize("hi"),
+        "detokenize": lambda: engine.detokenize([1]),
+        "render_chat": lambda: engine.render_chat(hello),
+        "chat": lambda: engine.chat(hello),
+        "reset": engine.reset,
+        "generate": lambda: engine.generate("hi"),
+        "stream": lambda: engine.stream("hi"),
+        "agenerate": lambda: asyncio.run(engine.agenerate("hi")),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except EngineClosed:
+            continue
+        raise AssertionError(f"conformance: {name}() on a closed engine did not raise EngineClosed")
+    return list(calls)
 
 
 def _check(ok: bool, what: str, detail: str) -> None:
