@@ -24,7 +24,6 @@ __all__ = [
     "gpu_probe",
     "installed",
     "shared_prefix",
-    "token_ids",
 ]
 
 
@@ -50,15 +49,6 @@ def installed(*packages: tuple[str, str], hint: str) -> Availability:
         return Availability(True, version=versions[0][1])
     # several packages (mlx and mlx-lm): name each, or "0.32.2" reads as the wrong one's
     return Availability(True, version=", ".join(f"{d} {v}" for d, v in versions))
-
-
-def token_ids(prompt: Sequence[int], vocab: int) -> list[int]:
-    """A token-id prompt as ints, every id inside the vocabulary."""
-    ids = [int(t) for t in prompt]
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-    return ids
 
 
 def check_prompt(ids: Sequence[int], context: int | None, max_tokens: int) -> None:

@@ -36,7 +36,7 @@ from unillm._errors import (
 from unillm._inspect import detect_format
 from unillm._model_path import hf_dir_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, gpu_present, installed, token_ids
+from unillm.engines._common import check_prompt, gpu_present, installed
 from unillm.engines._exllamav2_jobs import JobRunner
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
@@ -272,7 +272,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             tensor = tok.encode(prompt, add_bos=add_bos, encode_special_tokens=True)
             ids = [int(t) for t in tensor[0].tolist()]
         else:
-            ids = token_ids(prompt, self._config.vocab_size)
+            ids = list(prompt)  # the base class checked the ids against the vocabulary
             tensor = self._proto.new_tensor([ids])
         check_prompt(ids, self._n_ctx, params.max_tokens)
         if len(ids) + params.max_tokens > self._n_ctx:

@@ -51,7 +51,7 @@ from unillm._errors import (
     UnillmError,
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, gpu_present, token_ids
+from unillm.engines._common import check_prompt, gpu_present
 from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan, plan_parallel
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
 from unillm.engines._vllm_start import import_vllm, numa_nodes, quiet_vllm_logger, start, weights_dtype
@@ -244,6 +244,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         self._tok = tok
         self._bos = getattr(tok, "bos_token", None) or None
         self._vocab = int(engine.model_config.get_vocab_size())
+        self.vocab_size = self._vocab  # the base class checks prompt ids, stop ids and logit_bias keys
         self._max_len = int(engine.model_config.max_model_len)
         self.dtype = str(engine.model_config.dtype).removeprefix("torch.")
         if args.get("dtype", "auto") not in ("auto", self.dtype):
@@ -350,7 +351,7 @@ class VLLMEngine(Engine[VLLMOptions]):
             special = not (self._bos and prompt.startswith(self._bos))
             ids = list(self._tok.encode(prompt, add_special_tokens=special))
         else:
-            ids = token_ids(prompt, self._vocab)
+            ids = list(prompt)  # the base class checked the ids against the vocabulary
         check_prompt(ids, self._max_len, params.max_tokens)
         return ids, self._sampling(params)
 
