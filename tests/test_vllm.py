@@ -466,6 +466,12 @@ def test_prompt_longer_than_the_context_is_refused_at_the_call(engine: Any) -> N
 def test_token_ids_outside_the_vocabulary_are_refused(engine: Any) -> None:
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         engine.generate([1, 2, 99999], GREEDY)
+    with pytest.raises(ConfigError, match="stop_token_ids/logit_bias are outside"):
+        engine.generate("hi", GREEDY, stop_token_ids=[99999])
+    with pytest.raises(ConfigError, match="stop_token_ids/logit_bias are outside"):
+        engine.generate("hi", GREEDY, logit_bias={99999: 1.0})
+    with pytest.raises(ConfigError, match="must be ints"):
+        engine.generate([1.5, 2.0], GREEDY)
 
 
 def test_a_gguf_file_is_sent_to_llama_cpp(tiny: TinyModel) -> None:
