@@ -707,7 +707,7 @@ H100 = GPU(0, "nvidia", "NVIDIA H100 80GB HBM3", 80 * GIB)
 def with_engines(monkeypatch: pytest.MonkeyPatch, gpus: list[GPU], packages: dict[str, Path]) -> Hardware:
     monkeypatch.setattr(_hardware, "_probe_nvidia", lambda timeout, findings: (gpus, []))
     monkeypatch.setattr(_hardware, "_probe_amd", lambda timeout, findings: ([], []))
-    monkeypatch.setattr(_hardware, "_package_dir", packages.get)
+    monkeypatch.setattr(_hardware._engines, "_package_dir", packages.get)  # where _probe_engines looks
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return detect_hardware(timeout=1)
 
@@ -735,7 +735,9 @@ def test_llama_cpp_with_cuda_is_no_finding(tmp_path: Path, monkeypatch: pytest.M
 def test_gpu_engines_without_a_gpu_are_findings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu_vllm = {"vllm": "0.32.0", "exllamav2": "0.3.2"}  # whatever vLLM build this machine has
     monkeypatch.setattr(
-        _hardware, "_version", lambda *dists: next((gpu_vllm[d] for d in dists if d in gpu_vllm), None)
+        _hardware._engines,
+        "_version",
+        lambda *dists: next((gpu_vllm[d] for d in dists if d in gpu_vllm), None),
     )
     hw = with_engines(monkeypatch, [], {"exllamav2": tmp_path, "mlx": tmp_path, "vllm": tmp_path})
     assert any(f.startswith("exllamav2 is installed but there is no CUDA or ROCm GPU") for f in hw.findings)
