@@ -31,7 +31,7 @@ from unillm import (
     SamplingParams,
     auto_engine,
 )
-from unillm.engines import _common
+from unillm import _common
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV, ExLlamaV2Engine, _template
 from unillm.testing import TinyModel, check_engine
 from unillm.testing._tiny import CHAT_TEMPLATE

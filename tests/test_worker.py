@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from unillm._errors import EngineClosed
-from unillm.engines._worker import Live, StepWorker
+from unillm._worker import Live, StepWorker
 
 
 class Counter(StepWorker):

@@ -1,16 +1,18 @@
 """``auto_engine`` and ``load_engine``: from a model path or a config to a loaded engine.
 
-The choice for now routes by model format among the installed backends (the first registered
-one that reads the format wins; built-ins register first). Whatever chose it, the engine's
-``selection`` records the candidates, why each was or was not taken, and every fallback step.
+The model is inspected and the machine probed once; ``select()`` ranks every registered backend,
+built-in or plugin, by the same rule (its own ``suitability()`` plus the decision guide's bonus,
+docs/selection.md), and the best one that is installed is loaded with those facts
+(``engine.facts``). When a load fails, the backend's own fallback steps are walked, then the next
+backend is tried. The engine's ``selection`` records the candidates, why each was or was not
+taken, and every step. Nothing here names an engine: what is specific to one lives with it.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm._config import read_config
@@ -23,15 +25,17 @@ from unillm._errors import (
     OutOfMemory,
     warn,
 )
-from unillm._hardware import Hardware, detect_hardware
+from unillm._facts import Facts, machine
 from unillm._inspect import ModelInfo, inspect_model
 from unillm._model_path import model_formats
 from unillm._plan import Plan, Workload, plan
-from unillm._plugins import Registry, default_registry, normalize_name
+from unillm._plugins import Registry, default_registry
 from unillm._select import Candidate, Selection, select
+from unillm._types import Fallback, normalize_name
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
+    from unillm._hardware import Hardware
     from unillm._types import EngineConfig
 
 __all__ = ["Candidate", "Selection", "auto_engine", "load_engine"]
@@ -85,6 +89,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     backends = registry.backends()
     available = {name: info.availability() for name, info in backends.items()}
     hardware = _machine()
+    guide = registry.guide()
     if cfg.backend:
         env_backend = os.environ.get("UNILLM_BACKEND", "")
         by: Literal["config", "environment", "auto"] = (
@@ -103,7 +108,14 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         workload = _workload(cfg, model)
         the_plan = _plan(model, hardware, workload)
         selection = select(
-            hardware, model, workload, backends, available=available, plan=the_plan, requested=cls.name
+            hardware,
+            model,
+            workload,
+            backends,
+            available=available,
+            plan=the_plan,
+            requested=cls.name,
+            guide_entries=guide,
         )
         selection.chosen_by = by
         order = [cls]
@@ -122,10 +134,10 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         for info in _inspect_all(cfg.model):
             wl = _workload(cfg, info)
             pl = _plan(info, hardware, wl)
-            sel = select(hardware, info, wl, backends, available=available, plan=pl)
+            sel = select(hardware, info, wl, backends, available=available, plan=pl, guide_entries=guide)
             per_format.append((sel, info, wl, pl))
         serving = (cfg.concurrency or 1) > 1 or cfg.goal == "throughput"
-        ranked = sorted(per_format, key=lambda s: _rank(s[0], registry, serving), reverse=True)
+        ranked = sorted(per_format, key=lambda s: _rank(s[0], registry, cfg, serving), reverse=True)
         selection, model, workload, the_plan = ranked[0]
         facts: dict[str, tuple[Candidate, ModelInfo, Workload, Plan | None]] = {}
         for sel, info, wl, pl in ranked:
@@ -162,9 +174,6 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     raise last_error
 
 
-_MIN_CONTEXT = 1024
-
-
 def _load_walking_down(
     cls: type[Engine[Any]],
     cfg: EngineConfig,
@@ -174,65 +183,75 @@ def _load_walking_down(
     hardware: Hardware | None = None,
     plan: Plan | None = None,
 ) -> Engine[Any]:
-    """Load ``cls``; on ``OutOfMemory`` walk down: the model's trained context if more was asked,
-    then halving the context down to 1024, then fewer layers on the GPU (where the backend offloads
-    by layer and there is a GPU), then a quantized KV cache where the backend has one. Each step is
-    recorded in the selection; the caller then tries the next backend."""
-    trained = getattr(model, "context_length", None)
+    """Load ``cls`` with what it is told (``Facts``); when that fails, walk the fallback steps the
+    backend declares (``Engine.fallbacks``), cheapest first, each on top of the ones before, so
+    as much of what was asked is kept as loads. A step the memory plan says still cannot fit is
+    skipped (but the last one is always tried: plans are estimates). Every step is recorded in
+    the selection; when none is left the error goes up and the caller tries the next backend."""
+    info = model if isinstance(model, ModelInfo) else None
+    facts = Facts(cfg.model, model=info, hardware=hardware, workload=workload, plan=plan)
     current = cfg
-    context = cfg.context_length or workload.context_length
+    steps: list[Fallback] | None = None
+    wl = workload
     while True:
         engine = cls(current)
         engine.selection = selection
+        engine.facts = facts
         try:
             return engine.load()
-        except OutOfMemory as exc:
+        except (OutOfMemory, ModelLoadError) as exc:
+            if steps is None:
+                steps = sorted(_declared(cls, cfg, facts, selection), key=lambda f: f.cost)
             why = _first_line(exc)
-            if context > _MIN_CONTEXT:
-                smaller = max(_MIN_CONTEXT, context // 2)
-                if isinstance(trained, int) and _MIN_CONTEXT <= trained < smaller:
-                    smaller = trained  # more context than the model was trained for is no use
-                step = f"context_length={smaller}"
-                context = smaller
-                current = current.model_copy(update={"context_length": smaller})
-            elif (layers := _fewer_gpu_layers(cls, current, model, hardware, plan)) is not None:
-                step = f"n_gpu_layers={layers}"
-                current = current.model_copy(update={"options": {**current.options, "n_gpu_layers": layers}})
-            elif (kv := _quantized_kv_option(cls, current)) is not None:
-                step = f"a quantized KV cache {kv}"
-                current = current.model_copy(update={"options": {**current.options, **kv}})
-            else:
+            left = [f for f in steps if f.answers(exc)]
+            if not left:
                 raise
-            selection.steps.append(f"{cls.name}: out of memory ({why}); retrying with {step}")
+            while True:
+                step = left.pop(0)
+                steps.remove(step)
+                current = _apply(cls, current, step)
+                wl = replace(
+                    wl,
+                    context_length=step.context_length or wl.context_length,
+                    kv_cache_dtype=step.kv_cache_dtype or wl.kv_cache_dtype,  # type: ignore[arg-type]
+                )
+                step_plan = _plan(info, hardware, wl)
+                if left and step_plan is not None and not step_plan.fits:
+                    selection.steps.append(
+                        f"{cls.name}: skipped {step.label}: the plan needs {_gib(step_plan.total_bytes)} "
+                        f"and finds {_gib(step_plan.total_bytes + step_plan.headroom_bytes)}"
+                    )
+                    continue
+                break
+            facts = Facts(cfg.model, model=info, hardware=hardware, workload=wl, plan=step_plan)
+            kind = "out of memory" if isinstance(exc, OutOfMemory) else "failed to load"
+            selection.steps.append(f"{cls.name}: {kind} ({why}); retrying with {step.label}")
 
 
-def _fewer_gpu_layers(
-    cls: type[Engine[Any]], cfg: EngineConfig, model: Any, hardware: Hardware | None, plan: Plan | None
-) -> int | None:
-    """Half the layers on the GPU (first what the plan says fits), for backends that offload by
-    layer; None when there is no GPU or nothing left to take off it."""
-    if "n_gpu_layers" not in cls.Options.model_fields or hardware is None or not hardware.gpus:
-        return None
-    now = cfg.options_for(cls.name).get("n_gpu_layers")
-    total = getattr(model, "layers", None)
-    if now in (None, -1, "auto"):
-        if plan is not None and plan.gpu_layers is not None and (total is None or plan.gpu_layers < total):
-            return plan.gpu_layers
-        return total // 2 if isinstance(total, int) and total > 1 else None
-    return now // 2 if isinstance(now, int) and now > 1 else None
+def _declared(
+    cls: type[Engine[Any]], cfg: EngineConfig, facts: Facts, selection: Selection
+) -> list[Fallback]:
+    """The backend's fallback steps; a plugin whose hook fails gets none (and a recorded step)."""
+    try:
+        return [f for f in cls.fallbacks(cfg, facts) if isinstance(f, Fallback)]
+    except Exception as exc:  # a plugin's bug must not hide the load error
+        selection.steps.append(f"{cls.name}: its fallbacks() failed ({exc!r}); no fallback steps")
+        return []
 
 
-def _quantized_kv_option(cls: type[Engine[Any]], cfg: EngineConfig) -> dict[str, Any] | None:
-    """The backend's quantized-KV option not yet tried, if it has one."""
-    fields = cls.Options.model_fields
-    opts = cfg.options_for(cls.name)
-    if "kv_cache_type" in fields and opts.get("kv_cache_type", "f16") == "f16":
-        return {"kv_cache_type": "q8_0"}
-    if "kv_bits" in fields and not opts.get("kv_bits"):
-        return {"kv_bits": 8}
-    if "cache_type" in fields and opts.get("cache_type", "fp16") == "fp16":
-        return {"cache_type": "q8"}
-    return None
+def _apply(cls: type[Engine[Any]], cfg: EngineConfig, step: Fallback) -> EngineConfig:
+    update: dict[str, Any] = dict(step.config)
+    if step.options:
+        # under the backend's own table, so a step for one backend never reaches the next one
+        tables = dict(cfg.backend_options)
+        key = next((k for k in tables if normalize_name(k) == normalize_name(cls.name)), cls.name)
+        tables[key] = {**tables.get(key, {}), **step.options}
+        update["backend_options"] = tables
+    return cfg.model_copy(update=update)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _inspect_all(path: str) -> list[ModelInfo]:
@@ -252,14 +271,21 @@ def _inspect_all(path: str) -> list[ModelInfo]:
     return infos
 
 
-def _rank(selection: Selection, registry: Registry, serving: bool) -> tuple[float, bool]:
+def _rank(selection: Selection, registry: Registry, cfg: EngineConfig, serving: bool) -> tuple[float, bool]:
     """How a format's selection ranks against the model's other formats: its best score, then,
-    for several users or throughput, whether that backend batches requests."""
+    for several users or throughput, whether that backend batches requests with these options."""
     best = next((c for c in selection.candidates if c.eligible), None)
     if best is None:
         return (float("-inf"), False)
-    batching = registry.get(best.name).capabilities.batching
-    return (best.score, batching == serving)
+    return (best.score, _batches(registry.get(best.name), cfg) == serving)
+
+
+def _batches(cls: type[Engine[Any]], cfg: EngineConfig) -> bool:
+    """Whether ``cls`` loaded with ``cfg``'s options batches requests (``capabilities_for``)."""
+    try:
+        return cls.capabilities_for(cls._validate_options(cfg.options_for(cls.name))).batching
+    except Exception:  # options meant for another backend, or a plugin's bug
+        return cls.capabilities.batching
 
 
 def _first_line(exc: BaseException) -> str:
@@ -267,13 +293,9 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-@functools.lru_cache(maxsize=1)
 def _machine() -> Hardware | None:
-    """This machine, probed once per process (a few short subprocesses at most)."""
-    try:
-        return detect_hardware()
-    except Exception:  # detection must never stop a load
-        return None
+    """This machine, probed once per process (``unillm._facts.machine``)."""
+    return machine()
 
 
 def _workload(cfg: EngineConfig, model: Any) -> Workload:

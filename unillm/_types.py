@@ -8,13 +8,15 @@ nothing to create. No engine type (a tensor, an ``mx.array``) ever appears in a 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from unillm._errors import ConfigError
+from unillm._errors import ConfigError, OutOfMemory
 
 __all__ = [
     "STANDARD_SAMPLING",
@@ -23,16 +25,26 @@ __all__ = [
     "ChatMessage",
     "Chunk",
     "Completion",
+    "Cost",
     "EngineConfig",
+    "Fallback",
     "FinishReason",
     "KVStats",
     "SamplingParams",
     "Suitability",
     "Timings",
     "Usage",
+    "normalize_name",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+def normalize_name(name: str) -> str:
+    """``"llama.cpp"``, ``"llama-cpp"`` and ``"LlamaCpp"`` all name the same backend."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
 UnsupportedPolicy = Literal["strict", "warn", "drop"]
 
 
@@ -175,8 +187,6 @@ class EngineConfig(_Validated):
 
     def options_for(self, backend: str) -> dict[str, Any]:
         """``options`` merged under the ``backend_options`` table of ``backend``, if any."""
-        from unillm._plugins import normalize_name
-
         merged = dict(self.options)
         for name, table in self.backend_options.items():
             if normalize_name(name) == normalize_name(backend):
@@ -346,3 +356,40 @@ class Suitability:
     score: float
     reasons: tuple[str, ...] = ()
     blockers: tuple[str, ...] = field(default=())
+
+
+class Cost(IntEnum):
+    """What a fallback step costs the user, cheapest first: ``auto_engine`` tries steps in this
+    order, so it keeps as much of what was asked as loads."""
+
+    FREE = 0  # nothing the user can notice (more context than the model was trained for)
+    QUALITY = 1  # slightly different numbers (a quantized KV cache)
+    SPEED = 2  # slower, same output (fewer layers on the GPU)
+    CAPABILITY = 3  # the engine can do less than asked (a shorter context)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One step ``auto_engine`` may take when loading a backend fails, declared by the backend
+    (``Engine.fallbacks``). Steps apply on top of one another, cheapest ``cost`` first.
+
+    - ``label``: what the step does, as ``selection.steps`` records it (``"kv_cache_type=q8_0"``).
+    - ``config``: ``EngineConfig`` fields it changes (``{"context_length": 2048}``).
+    - ``options``: backend options it changes (``{"kv_cache_type": "q8_0"}``).
+    - ``context_length`` / ``kv_cache_dtype``: the workload after the step, in the planner's terms
+      (``kv_cache_dtype`` as ``unillm.backend.kv_dtype`` names it), so ``auto_engine`` can skip
+      a step the memory plan says still cannot fit; None: unchanged.
+    - ``on``: the errors the step answers (default: ``OutOfMemory``).
+    """
+
+    label: str
+    cost: Cost = Cost.QUALITY
+    config: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+    context_length: int | None = None
+    kv_cache_dtype: str | None = None
+    on: tuple[type[BaseException], ...] = ()
+
+    def answers(self, error: BaseException) -> bool:
+        """Whether this step is worth trying after ``error``."""
+        return isinstance(error, self.on or OutOfMemory)

@@ -14,9 +14,13 @@ A plugin is a module (or package) exposed through the ``unillm`` entry-point gro
         from unillm_myengine.engine import MyEngine   # keep the engine itself lazy
         register(MyEngine)
 
-Hooks take a ``register`` callback rather than returning values, so one plugin can register any
-number of things and a failure in one plugin never hides another's. A plugin that fails to import
-or raises inside a hook is reported (a ``UnillmWarning`` and ``unillm doctor``) and skipped.
+Hooks take a callback rather than returning values, so one plugin can register any number of
+things and a failure in one plugin never hides another's. A plugin that fails to import or raises
+inside a hook is reported (a ``UnillmWarning`` and ``unillm doctor``) and skipped.
+
+What a backend knows about itself (its hard rules, its fallback steps on out-of-memory, its install
+hint, its build probe) it says through class methods of ``unillm.Engine``, the same for a plugin
+as for a built-in; the kit for writing one is ``unillm.backend`` (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
+    from unillm._guide import GuideEntry
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -45,4 +50,22 @@ def unillm_register_backends(register: Callable[[type[Engine]], None]) -> None:
 
     A name already taken (by a built-in or an earlier plugin) is refused with a warning; the first
     registration wins. Since 0.1.
+    """
+
+
+@hookspec
+def unillm_guide_entries(add: Callable[[GuideEntry], None]) -> None:
+    """Add lines to the decision guide (``unillm.backend.GuideEntry``).
+
+    :param add: call it once per entry, ``add(GuideEntry("myengine", "why", formats={"gguf"}))``.
+        An entry may name any engine, registered or not (the selector then recommends it with the
+        entry's ``install`` text when it is a case's first choice).
+
+    How the selector ranks (docs/selection.md): every eligible backend scores its
+    ``suitability().score`` (the built-ins return 1.0 for a format they read; ExLlamaV2 0.8 for
+    plain FP16/BF16 weights) plus the bonus of the best-ranked guide entry naming it for the case,
+    ``2.0 - 0.5 x rank`` (rank 0: +2.0, rank 1: +1.5). Ties go to the backend registered first
+    (built-ins). So to outrank a built-in's rank-0 case, add a rank-0 entry for it and return a
+    suitability score above the built-in's (1.0). Something that is not a ``GuideEntry`` is
+    refused with a warning. Since 0.2.
     """

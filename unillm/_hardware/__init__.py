@@ -53,7 +53,7 @@ __all__ = [
     "parse_rocm_smi_topotype",
 ]
 # Imported from here too, though not in __all__ (the ``as`` marks them re-exported): vllm_build
-# (engines/vllm.py), _linux_memory (engines/_common.py) and Vendor.
+# (engines/vllm.py), _linux_memory (_common.py) and Vendor.
 
 
 def detect_hardware(*, timeout: float = 2.0) -> Hardware:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from unillm.engines._worker import Live, StepWorker
+from unillm._worker import Live, StepWorker
 
 __all__ = ["JobRunner", "Live"]
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from unillm.engines._worker import Live, StepWorker
+from unillm._worker import Live, StepWorker
 
 __all__ = ["Batcher", "Live"]
 

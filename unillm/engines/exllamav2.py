@@ -36,7 +36,7 @@ from unillm._errors import (
 from unillm._inspect import detect_format
 from unillm._model_path import hf_dir_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, gpu_present, installed
+from unillm._common import check_prompt, gpu_present, installed
 from unillm.engines._exllamav2_jobs import JobRunner
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]

@@ -33,7 +33,7 @@ from unillm._errors import (
 from unillm._inspect import GGUFHeader, read_gguf_header
 from unillm._model_path import gguf_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import available_ram_bytes, check_prompt, installed, shared_prefix
+from unillm._common import available_ram_bytes, check_prompt, installed, shared_prefix
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -116,11 +116,25 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         return installed(("llama_cpp", "llama-cpp-python"), hint=INSTALL_HINT)
 
     @classmethod
-    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
+    def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
         fit = super().suitability(hardware, model, workload)
         if fit.blockers:
             return fit
-        # A hard rule of the field: llama.cpp never splits one model across several GPUs.
+        # A hard rule of the field: llama.cpp never splits one model across several GPUs, so a
+        # model that needs more than the largest GPU holds is not for it on a multi-GPU machine.
+        gpus = getattr(hardware, "gpus", ()) or ()
+        if len(gpus) > 1 and plan is not None:
+            biggest = max(g.memory_total_bytes for g in gpus)
+            if plan.total_bytes > biggest:
+                gib = 2**30
+                return Suitability(
+                    fit.score,
+                    fit.reasons,
+                    (
+                        f"needs {plan.total_bytes / gib:.1f} GiB, more than one GPU "
+                        f"({biggest / gib:.1f} GiB) holds, and llama.cpp never splits a model across GPUs",
+                    ),
+                )
         return Suitability(fit.score, (*fit.reasons, "uses one GPU at most (never split across GPUs)"))
 
     # ---- load ----

@@ -30,7 +30,7 @@ from unillm._errors import (
 )
 from unillm._model_path import hf_dir_in
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams
-from unillm.engines._common import check_prompt, installed, shared_prefix
+from unillm._common import check_prompt, installed, shared_prefix
 from unillm.engines._mlx_batch import Batcher
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ from unillm._errors import (
     UnillmError,
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm.engines._common import check_prompt, gpu_present
+from unillm._common import check_prompt, gpu_present
 from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan, plan_parallel
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
 from unillm.engines._vllm_start import import_vllm, numa_nodes, quiet_vllm_logger, start, weights_dtype
@@ -195,10 +195,15 @@ class VLLMEngine(Engine[VLLMOptions]):
         fit = super().suitability(hardware, model, workload)
         if fit.blockers:
             return fit
-        return Suitability(
-            fit.score,
-            (*fit.reasons, "continuous batching and prefix caching; splits a model over GPUs and machines"),
-        )
+        reasons = [*fit.reasons, "continuous batching and prefix caching; splits a model over GPUs and machines"]
+        gpus = getattr(hardware, "gpus", ()) or ()
+        if len(gpus) > 1 and not hardware.all_nvlinked():
+            # a hard rule of the field: tensor parallelism's all-reduce over PCIe is too slow
+            reasons.append(
+                f"no NVLink between the {len(gpus)} GPUs: use pipeline parallelism "
+                f"(pipeline_parallel_size={len(gpus)}), not tensor parallelism"
+            )
+        return Suitability(fit.score, tuple(reasons))
 
     # ---- load ----
 

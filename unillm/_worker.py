@@ -101,6 +101,26 @@ class StepWorker:
         self._inbox.put(("remove", live))
         self._wake.set()
 
+    def events(self, live: Live, last: Callable[[Any], bool]) -> Iterator[Any]:
+        """The caller's side: ``live``'s events as they arrive, up to and including the one
+        ``last`` says ends the request. An exception event (a failed step, a closed worker) is
+        raised; a caller that stops reading first (a broken stream, a cancelled task) cancels the
+        request, which leaves the engine at the next step."""
+        finished = False
+        try:
+            while True:
+                event = live.events.get()
+                if isinstance(event, BaseException):
+                    finished = True
+                    raise event
+                finished = last(event)
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(live)
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the worker thread before its next step and return what it returns (or
         raise what it raises). It waits for at most the step in progress, however busy the engine

@@ -1,0 +1,204 @@
+"""One request's accounting and the folds over its chunks, shared by ``Engine``'s drivers.
+
+``_Run`` sits between a backend's raw pieces and the user's chunks (stop strings, the max-token
+cut, the final chunk's usage and timings); ``fold``/``afold`` turn a stream into a
+``Completion``; ``iterate_in_thread`` bridges a sync stream to an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from time import perf_counter
+from typing import Any
+
+from unillm._errors import GenerationError
+from unillm._stop import StopMatcher
+from unillm._types import Chunk, Completion, FinishReason, SamplingParams, Timings, Usage
+
+__all__ = ["RawPiece", "Request", "Run", "afold", "fold", "iterate_in_thread"]
+
+#: What a backend's ``_stream`` yields per step: text delta, token ids, logprobs or None.
+RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+
+
+class Request:
+    """Per-request bookkeeping a backend's ``_stream`` fills in as it learns things.
+
+    ``prompt_tokens`` must be set; the rest are optional. ``prefill_s``/``decode_s`` come from the
+    engine's own counters when it has them (otherwise unillm's wall clock is used).
+    """
+
+    __slots__ = (
+        "cached_tokens",
+        "decode_s",
+        "finish_reason",
+        "peak_memory_bytes",
+        "prefill_s",
+        "prompt_tokens",
+        "queue_s",
+    )
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.prefill_s: float | None = None
+        self.decode_s: float | None = None
+        self.peak_memory_bytes: int | None = None
+        self.queue_s: float | None = None
+
+
+class Run:
+    """One request's accounting between the backend's raw pieces and the user's chunks: stop
+    strings, the max-token cut, the final chunk's usage and timings. Shared by both drivers."""
+
+    __slots__ = ("finish", "first", "max_tokens", "n", "stops", "tail")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.first = 0.0
+        self.n = 0
+        self.max_tokens = params.max_tokens
+        self.stops = StopMatcher(params.stop) if params.stop else None
+        self.finish: FinishReason | None = None
+        self.tail: RawPiece = ("", (), None)
+
+    def step(self, text: str, ids: tuple[int, ...], lp: tuple[float, ...] | None) -> Chunk | None:
+        """The chunk for one raw piece, or None when this piece ends the completion."""
+        if not self.first:
+            self.first = perf_counter()
+        self.n += len(ids)
+        stops = self.stops
+        out = text if stops is None else stops.feed(text)
+        if stops is not None and stops.stopped:
+            self.finish, self.tail = "stop", (out, ids, lp)
+            return None
+        if self.n >= self.max_tokens:
+            self.finish, self.tail = "length", (out, ids, lp)
+            return None
+        return Chunk(out, ids, None, None, None, lp)
+
+    def last(self, req: Request, t0: float) -> Chunk:
+        """The final chunk: what the cut held back, the finish reason, usage and timings."""
+        end = perf_counter()
+        text, ids, lp = self.tail
+        if self.stops is not None and not self.stops.stopped:
+            text += self.stops.flush()
+        return Chunk(
+            text,
+            ids,
+            self.finish or req.finish_reason or "stop",
+            Usage(req.prompt_tokens, self.n, req.cached_tokens),
+            _timings(req, t0, self.first or end, end, self.n),
+            lp,
+        )
+
+
+def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timings:
+    ttft = first - t0
+    if req.prefill_s is not None and req.decode_s is not None:
+        prefill, decode, source = req.prefill_s, req.decode_s, "engine"
+    else:
+        prefill, decode, source = ttft, end - first, "wall"
+    cached = req.cached_tokens or 0
+    evaluated = req.prompt_tokens - cached
+    return Timings(
+        ttft_s=ttft,
+        prefill_s=prefill,
+        decode_s=decode,
+        total_s=end - t0,
+        prefill_tokens_per_s=evaluated / prefill if prefill > 0 and evaluated > 0 else None,
+        # the first token comes out of prefill; decode makes the other n - 1
+        decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else None,
+        source=source,  # type: ignore[arg-type]
+        peak_memory_bytes=req.peak_memory_bytes,
+        queue_s=req.queue_s,
+    )
+
+
+def fold(chunks: Iterator[Chunk]) -> Completion:
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    last: Chunk | None = None
+    for last in chunks:
+        parts.append(last.text)
+        ids.extend(last.token_ids)
+        if last.logprobs is not None:
+            lps.extend(last.logprobs)
+    return _completion(parts, ids, lps, last)
+
+
+async def afold(chunks: AsyncIterator[Chunk]) -> Completion:
+    parts: list[str] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    last: Chunk | None = None
+    async for last in chunks:
+        parts.append(last.text)
+        ids.extend(last.token_ids)
+        if last.logprobs is not None:
+            lps.extend(last.logprobs)
+    return _completion(parts, ids, lps, last)
+
+
+def _completion(parts: list[str], ids: list[int], lps: list[float], last: Chunk | None) -> Completion:
+    if last is None or last.finish_reason is None or last.usage is None or last.timings is None:
+        raise GenerationError("the stream ended without its final chunk")
+    return Completion(
+        "".join(parts), tuple(ids), last.finish_reason, last.usage, last.timings, tuple(lps) if lps else None
+    )
+
+
+_DONE = object()
+
+
+async def iterate_in_thread(gen: Iterator[Chunk]) -> AsyncIterator[Chunk]:
+    """Run a sync chunk iterator in a worker thread, handing chunks to the event loop.
+
+    When the consumer stops (cancelled, or breaks out), the worker is told to stop and closes the
+    generator in its own thread at the next token, which releases the engine. Each stream has a
+    thread of its own, not one of the loop's default executor (min(32, cores + 4) threads), which
+    would queue concurrent requests to a batching engine behind one another.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stop = threading.Event()
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone; nobody is listening
+            stop.set()
+
+    def work() -> None:
+        try:
+            for chunk in gen:
+                if stop.is_set():
+                    break
+                put(chunk)
+        except BaseException as exc:
+            put(_Raised(exc))
+        finally:
+            gen.close()  # type: ignore[attr-defined]
+            put(_DONE)
+
+    threading.Thread(target=work, name="unillm-astream", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                break
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+
+
+class _Raised:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
