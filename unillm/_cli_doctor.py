@@ -1,0 +1,70 @@
+"""``unillm backends`` and ``unillm doctor``: what runs on this machine."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from unillm._cli_common import JsonOpt, _asdict, _console, _dump, _esc
+
+__all__ = ["backends_cmd", "doctor"]
+
+
+def backends_cmd(as_json: JsonOpt = False) -> None:
+    """List every registered backend (built-in and plugin) and whether it runs here."""
+    from rich.table import Table
+
+    from unillm._plugins import default_registry
+
+    reg = default_registry()
+    if as_json:
+        rows = {}
+        for name, info in reg.backends().items():
+            a = info.availability()
+            rows[name] = {"source": info.source, "formats": sorted(info.cls.formats), **_asdict(a)}
+        _dump({"backends": rows, "plugin_failures": reg.failures})
+        return
+    table = Table("backend", "source", "formats", "available", "detail")
+    for info in reg.backends().values():
+        a = info.availability()
+        detail = a.version or "" if a.available else f"{a.reason}; {a.install_hint or ''}"
+        table.add_row(
+            _esc(info.name),
+            _esc(info.source),
+            _esc(", ".join(sorted(info.cls.formats))),
+            "[green]yes[/]" if a.available else "[red]no[/]",
+            _esc(detail),
+        )
+    console = _console()
+    console.print(table)
+    for f in reg.failures:
+        console.print(f"[yellow]plugin {_esc(repr(f.plugin))} skipped:[/] {_esc(f.reason)}")
+
+
+def doctor(as_json: JsonOpt = False) -> None:
+    """Check this machine: Python, hardware, installed engines, plugin failures.
+
+    The --json output is also a hardware profile: `unillm select MODEL --hardware FILE` judges
+    the machine it describes, its installed backends included.
+    """
+    from unillm._hardware import detect_hardware
+    from unillm._plugins import default_registry
+
+    hw = detect_hardware()
+    if as_json:
+        reg = default_registry()
+        _dump(
+            {
+                "python": platform.python_version(),
+                "hardware": hw,
+                "backends": {n: i.availability() for n, i in reg.backends().items()},
+                "plugin_failures": reg.failures,
+            }
+        )
+        return
+    console = _console()
+    console.print(f"python   {platform.python_version()} ({sys.executable})")
+    console.print(f"platform {platform.platform()}")
+    for line in hw.summary_lines():
+        console.print(_esc(line), highlight=False)
+    backends_cmd(as_json=False)
