@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from unillm._hardware import Hardware
-    from unillm._inspect import ModelInfo
+    from unillm._inspect import GGUFHeader, ModelInfo
     from unillm._plan import Plan, Workload
 
 __all__ = ["Facts", "machine"]
@@ -65,6 +65,18 @@ class Facts:
             return inspect_model(self.path)
         except UnillmError:
             return None
+
+    @functools.cached_property
+    def gguf_header(self) -> GGUFHeader:
+        """The GGUF header of ``path`` (a .gguf file, or the one in a model directory), kept from
+        inspection when ``model`` was read from it. Raises what ``read_gguf_header`` raises."""
+        kept = getattr(self.__dict__.get("model"), "header", None)
+        if kept is not None:
+            return kept  # type: ignore[no-any-return]
+        from unillm._inspect import read_gguf_header
+        from unillm._model_path import gguf_in
+
+        return read_gguf_header(gguf_in(self.path) or self.path, lazy=True)
 
     @functools.cached_property
     def hardware(self) -> Hardware | None:
