@@ -438,12 +438,7 @@ def _on_one(device: _Device, strategy: Strategy, weights: int, kv: int, overhead
 
 def _nvlinked(hardware: Hardware, indices: list[int]) -> dict[int, bool]:
     """For each k, whether the first k GPUs of ``indices`` are all joined pairwise by NVLink."""
-    pairs = {(min(a, b), max(a, b)) for a, b in hardware.nvlink}
-    out: dict[int, bool] = {}
-    for k in range(2, len(indices) + 1):
-        chosen = indices[:k]
-        out[k] = all((min(a, b), max(a, b)) in pairs for i, a in enumerate(chosen) for b in chosen[i + 1 :])
-    return out
+    return {k: hardware.nvlinked(indices[:k]) for k in range(2, len(indices) + 1)}
 
 
 def _split(

@@ -4,6 +4,7 @@ and write JSON, and ``load_hardware`` to read a profile from a file."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -74,11 +75,18 @@ class Hardware:
     def gpu_count(self) -> int:
         return len(self.gpus)
 
+    def nvlinked(self, indices: Iterable[int]) -> bool:
+        """Whether the GPUs ``indices`` are joined pair by pair by NVLink (or AMD xGMI); the one
+        statement of the rule. An index this machine has no GPU for counts as unlinked."""
+        chosen = list(dict.fromkeys(indices))
+        if len(chosen) < 2:
+            return True
+        pairs = {(min(a, b), max(a, b)) for a, b in self.nvlink}
+        return all((min(a, b), max(a, b)) in pairs for i, a in enumerate(chosen) for b in chosen[i + 1 :])
+
     def all_nvlinked(self) -> bool:
         """Every pair of GPUs joined by NVLink (trivially true with fewer than two)."""
-        n = len(self.gpus)
-        pairs = {tuple(sorted(p)) for p in self.nvlink}
-        return all((i, j) in pairs for i in range(n) for j in range(i + 1, n))
+        return self.nvlinked(range(len(self.gpus)))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
