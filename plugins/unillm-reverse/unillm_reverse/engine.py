@@ -10,7 +10,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from unillm import Capabilities, ConfigError, Engine, ModelNotFound, NoOptions, Request, SamplingParams
+from unillm import ModelNotFound
+from unillm.backend import Capabilities, Engine, NoOptions, Request, SamplingParams, check_token_ids
 from unillm.testing import WordVocab
 
 __all__ = ["ReverseEngine"]
@@ -34,10 +35,11 @@ class ReverseEngine(Engine[NoOptions]):
         self._vocab = WordVocab()  # a toy word-level tokenizer; a real engine brings its own
 
     def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-        if any(not 0 <= i < len(self._vocab) for i in ids):
-            raise ConfigError(f"token ids outside the vocabulary (0..{len(self._vocab) - 1})")
-        return ids
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        # this toy vocabulary grows as it reads text, so ids are checked against it now (an
+        # engine with a fixed vocabulary sets ``self.vocab_size`` at load and the base class checks)
+        return check_token_ids(prompt, len(self._vocab))
 
     def _stream(
         self, ids: list[int], params: SamplingParams, req: Request
