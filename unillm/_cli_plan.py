@@ -85,7 +85,10 @@ def _select(info: Any, hw: Hardware | None, wl: Workload, available: Any) -> Sel
     from unillm._select import select
 
     the_plan = plan(info, hw, wl) if hw is not None else None
-    return select(hw, info, wl, default_registry().backends(), available=available, plan=the_plan)
+    registry = default_registry()
+    return select(
+        hw, info, wl, registry.backends(), available=available, plan=the_plan, guide_entries=registry.guide()
+    )
 
 
 def inspect_cmd(
