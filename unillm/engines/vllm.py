@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from unillm._common import check_prompt, gpu_present
 from unillm._engine import Engine, Messages, Request
 from unillm._eos import eos_from_hf_dir
 from unillm._errors import (
@@ -51,7 +52,7 @@ from unillm._errors import (
     UnillmError,
 )
 from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm._common import check_prompt, gpu_present
+from unillm.engines._vllm_build import vllm_build
 from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan, plan_parallel
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
 from unillm.engines._vllm_start import import_vllm, numa_nodes, quiet_vllm_logger, start, weights_dtype
@@ -195,7 +196,10 @@ class VLLMEngine(Engine[VLLMOptions]):
         fit = super().suitability(hardware, model, workload)
         if fit.blockers:
             return fit
-        reasons = [*fit.reasons, "continuous batching and prefix caching; splits a model over GPUs and machines"]
+        reasons = [
+            *fit.reasons,
+            "continuous batching and prefix caching; splits a model over GPUs and machines",
+        ]
         gpus = getattr(hardware, "gpus", ()) or ()
         if len(gpus) > 1 and not hardware.all_nvlinked():
             # a hard rule of the field: tensor parallelism's all-reduce over PCIe is too slow
@@ -204,6 +208,13 @@ class VLLMEngine(Engine[VLLMOptions]):
                 f"(pipeline_parallel_size={len(gpus)}), not tensor parallelism"
             )
         return Suitability(fit.score, tuple(reasons))
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        """vLLM's installed build (CPU, ROCm or CUDA) for ``unillm doctor``, without importing it."""
+        from unillm.engines._builds import vllm
+
+        return vllm(hardware, findings)
 
     # ---- load ----
 
@@ -611,8 +622,6 @@ class VLLMEngine(Engine[VLLMOptions]):
 
 def _build() -> tuple[Literal["cpu", "gpu"], str | None]:
     """Which vLLM build is installed, and its version."""
-    from unillm._hardware import vllm_build
-
     version, cpu = vllm_build()
     return ("cpu" if cpu else "gpu"), version
 
