@@ -4,7 +4,7 @@ checked before vLLM starts. A pure function over data: no I/O, and vllm is never
 Tensor parallelism (tp) splits every layer's attention heads between GPUs and all-reduces after every
 layer: tp must divide the heads, and the KV heads must divide by tp or tp by them (vLLM then
 replicates them); it wants NVLink (AMD: xGMI) within each group. Pipeline parallelism (pp) gives each
-GPU whole layers and talks only between stages, so without NVLink it usually wins (FIELD.md). vLLM
+GPU whole layers and talks only between stages, so without NVLink it usually wins (docs/field.md). vLLM
 lays ranks out tensor-innermost: GPUs 0..tp-1 are the first stage's group, and so on. When unillm
 chooses (``num_gpus``, or weights too big for one GPU), it takes the largest valid tp whose groups
 are all NVLink-joined and makes the rest pipeline stages. docs/backends/vllm-scale-out.md says the
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm._errors import ConfigError
+from unillm._plan import tensor_parallel_ok  # not the kit: it imports pydantic, this module stays light
 
 if TYPE_CHECKING:
-    from unillm._hardware import Hardware
-    from unillm._inspect import ModelInfo
+    from unillm import Hardware, ModelInfo
 
 __all__ = ["CPU_BIND_VAR", "WEIGHTS_SHARE", "ParallelPlan", "plan_parallel"]
 
@@ -340,16 +339,18 @@ def _auto(
 
 
 def _tp_problem(tp: int, model: ModelInfo | None) -> str | None:
+    """What keeps ``tp``-way tensor parallelism from sharding the model's heads (the rule is
+    ``tensor_parallel_ok``'s), or None."""
     heads = model.heads if model is not None else None
     kv = (model.kv_heads or heads) if model is not None else None
-    if heads and heads % tp:
+    if tensor_parallel_ok(heads, kv, tp):
+        return None
+    if not tensor_parallel_ok(heads, None, tp):
         return f"does not divide the model's {heads} attention heads (vLLM splits them evenly)"
-    if kv and kv % tp and tp % kv:
-        return (
-            f"does not fit the model's {kv} KV heads, which vLLM splits evenly (or replicates when "
-            "tensor_parallel_size is a multiple of them)"
-        )
-    return None
+    return (
+        f"does not fit the model's {kv} KV heads, which vLLM splits evenly (or replicates when "
+        "tensor_parallel_size is a multiple of them)"
+    )
 
 
 def _tp_sizes(model: ModelInfo | None, limit: int) -> list[int]:
@@ -373,10 +374,7 @@ def _groups_linked(hardware: Hardware, tp: int, count: int) -> bool:
     """Whether every tensor-parallel group (tp consecutive GPUs from 0, over the first ``count``) is
     joined pair by pair by NVLink/xGMI; for one group of all the GPUs, ``hardware.all_nvlinked()``."""
     # A group that reaches past this machine's GPUs (tp above them, or one straddling two machines
-    # under Ray) names GPUs no NVLink pair holds, so it counts as unlinked.
-    pairs = {(min(a, b), max(a, b)) for a, b in hardware.nvlink}
+    # under Ray) names GPUs it does not have, so ``nvlinked`` counts it as unlinked.
     return all(
-        pair in pairs
-        for start in range(0, min(count, len(hardware.gpus)), tp)
-        for pair in combinations(range(start, start + tp), 2)
+        hardware.nvlinked(range(start, start + tp)) for start in range(0, min(count, len(hardware.gpus)), tp)
     )
