@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unillm._errors import ConfigError
-from unillm._plugins import normalize_name
-from unillm._types import EngineConfig
+from unillm._types import EngineConfig, normalize_name
 
 if sys.version_info >= (3, 11):
     import tomllib
