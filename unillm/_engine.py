@@ -4,8 +4,9 @@ A backend writes a handful of small methods (``_load``, ``_encode``, ``_stream``
 the tokenizer pair); everything a user calls is derived here once: ``stream`` wraps ``_stream``
 with parameter validation, stop strings, max-token accounting, usage and timings; ``generate`` is a
 fold over ``stream``; ``chat`` renders the chat template and streams; the async methods mirror the
-sync ones through a worker thread. Backends that cannot batch are serialized by a lock, so callers
-from many threads (or asyncio tasks) never interleave inside the engine.
+sync ones (natively on the caller's event loop for a batching backend with ``_astream``, vLLM;
+otherwise the sync stream on a thread of its own). Backends that cannot batch are serialized by
+a lock, so callers from many threads (or asyncio tasks) never interleave inside the engine.
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ class Engine(Lifetime, Generic[P]):
         """The assistant's whole reply to ``messages``."""
         return fold(self.stream_chat(messages, params, **overrides))
 
-    # ---- async mirrors: the sync path in a worker thread ----
+    # ---- async mirrors: native for a batching backend's _astream, else the sync path on a thread ----
 
     async def astream(
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
