@@ -19,8 +19,9 @@ import pytest
 from typer.testing import CliRunner
 
 import unillm
+from unillm._doctor import with_engine_builds
 from unillm.cli import app
-from unillm.testing import TinyModel
+from unillm.testing import MockEngine, TinyModel
 
 from .conftest import needs_llama_cpp
 
@@ -33,6 +34,42 @@ def test_backends_and_doctor() -> None:
     assert out.exit_code == 0 and "llama.cpp" in out.output and "gguf" in out.output
     doc = runner.invoke(app, ["doctor"])
     assert doc.exit_code == 0 and "python" in doc.output and "memory" in doc.output
+
+
+class Probed(MockEngine):
+    name = "probed"
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        findings.append("probed is built without its accelerator")
+        from unillm.backend import EngineBuild
+
+        return EngineBuild("probed", "9.9", ("cpu",))
+
+
+class Broken(MockEngine):
+    name = "broken"
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        raise RuntimeError("probe kaboom")
+
+
+def test_doctor_reports_the_builds_the_backends_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from unillm import _plugins
+
+    reg = _plugins.Registry(builtins=False, entry_points=False)
+    reg.register_backend(Probed)
+    reg.register_backend(Broken)
+    monkeypatch.setattr(_plugins, "_default", reg)
+    doc = runner.invoke(app, ["doctor"])
+    assert doc.exit_code == 0, doc.output
+    assert "engine   probed 9.9 (cpu)" in doc.output
+    assert "finding  probed is built without its accelerator" in doc.output
+    assert "probe kaboom" in doc.output
+    data = json.loads(runner.invoke(app, ["doctor", "--json"]).output)
+    assert data["hardware"]["engines"] == [{"name": "probed", "version": "9.9", "devices": ["cpu"]}]
+    assert "probed is built without its accelerator" in data["hardware"]["findings"]
 
 
 def test_version() -> None:
@@ -206,7 +243,7 @@ def test_doctor_json_is_a_profile(tiny: TinyModel, tmp_path: Path) -> None:
     profile = tmp_path / "this-machine.json"
     profile.write_text(doc.stdout, encoding="utf-8")
     hw = unillm.load_hardware(profile)  # as docs/hardware.md promises
-    here = unillm.detect_hardware()
+    here = with_engine_builds(unillm.detect_hardware())  # the builds the backends report, as doctor
     assert (hw.os, hw.arch, hw.cpu_cores, hw.engines) == (here.os, here.arch, here.cpu_cores, here.engines)
     assert [g.name for g in hw.gpus] == [g.name for g in here.gpus]
     gguf = str(tiny.gguf_path)

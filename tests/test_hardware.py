@@ -18,15 +18,16 @@ from typing import Any
 import pytest
 
 from unillm import _hardware
+from unillm._doctor import with_engine_builds
 from unillm._errors import ConfigError
 from unillm._hardware import (
     GPU,
+    EngineBuild,
     Hardware,
     apple_bandwidth,
     bandwidth_from_table,
     cpu_features_from_flags,
     detect_hardware,
-    llama_cpp_devices,
     load_hardware,
     nvml_bandwidth,
     parse_amd_smi_static,
@@ -35,6 +36,10 @@ from unillm._hardware import (
     parse_rocm_smi,
     parse_rocm_smi_topotype,
 )
+from unillm._plugins import Registry
+from unillm.engines import _builds
+from unillm.engines._builds import llama_cpp_devices
+from unillm.testing import MockEngine
 
 PROFILES = Path(__file__).parent / "profiles"
 PROFILE_NAMES = sorted(p.stem for p in PROFILES.glob("*.json"))
@@ -207,8 +212,7 @@ def test_a_probe_that_blows_up_is_a_finding(monkeypatch: pytest.MonkeyPatch) -> 
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(_hardware, "_probe_host", boom)
-    monkeypatch.setattr(_hardware, "_probe_engines", boom)
-    hw = detect_hardware(timeout=1)
+    hw = with_engine_builds(detect_hardware(timeout=1), registry(("boom", boom)))
     assert hw.cpu_cores >= 1
     assert sum("kaboom" in f for f in hw.findings) == 2
 
@@ -682,6 +686,112 @@ def test_docs_bandwidth_table_matches_the_code() -> None:
 
 # -- engines ------------------------------------------------------------------------------------
 
+Probe = Any  # (hardware, findings) -> EngineBuild | None
+
+
+def registry(*probes: tuple[str, Probe]) -> Registry:
+    """A registry of test backends, each ``probe_build`` the probe the test names."""
+    reg = Registry(builtins=False, entry_points=False)
+    for name, probe in probes:
+        cls = type(
+            name,
+            (MockEngine,),
+            {"name": name, "probe_build": classmethod(lambda cls, hw, f, p=probe: p(hw, f))},
+        )
+        reg.register_backend(cls)
+    return reg
+
+
+def built_in_probes() -> Registry:
+    """Test backends probing as the built-ins do (``unillm.engines._builds``), whether or not the
+    built-in classes delegate to it yet."""
+    return registry(
+        ("llama.cpp", _builds.llamacpp),
+        ("mlx", _builds.mlx),
+        ("exllamav2", _builds.exllamav2),
+        ("vllm", _builds.vllm),
+    )
+
+
+def test_detect_hardware_probes_no_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_builds, "_package_dir", lambda module: tmp_path)  # every engine "installed"
+    hw = detect_hardware(timeout=1)
+    assert hw.engines == ()
+    assert not any(
+        name in f for f in hw.findings for name in ("llama-cpp-python", "mlx", "vLLM", "exllamav2")
+    )
+
+
+def test_engine_builds_come_from_the_backends_each_finding_once() -> None:
+    def one(hw: Hardware, findings: list[str]) -> EngineBuild:
+        findings += ["shared", "one needs a GPU"]
+        return EngineBuild("one", "1.0", ("cpu",))
+
+    def two(hw: Hardware, findings: list[str]) -> EngineBuild:
+        findings.append("shared")
+        return EngineBuild("two", None, ("cuda",))
+
+    def absent(hw: Hardware, findings: list[str]) -> None:
+        return None
+
+    def odd(hw: Hardware, findings: list[str]) -> str:
+        return "a string"
+
+    base = Hardware(os="Linux", arch="x86_64", findings=("shared", "from the probes"))
+    reg = registry(("one", one), ("absent", absent), ("odd", odd), ("two", two))
+    hw = with_engine_builds(base, reg)
+    assert [e.name for e in hw.engines] == ["one", "two"]
+    assert hw.findings[:3] == ("shared", "from the probes", "one needs a GPU")
+    assert len(hw.findings) == 4 and "odd backend's probe_build returned 'a string'" in hw.findings[3]
+    assert with_engine_builds(hw, reg) == hw  # asking again changes nothing
+    assert (hw.os, hw.arch) == (base.os, base.arch)
+
+
+def test_the_built_ins_that_probe_their_build_report_what_the_builds_module_says() -> None:
+    from unillm._engine import Engine
+    from unillm._plugins import default_registry
+
+    probes = {
+        "llama.cpp": _builds.llamacpp,
+        "mlx": _builds.mlx,
+        "exllamav2": _builds.exllamav2,
+        "vllm": _builds.vllm,
+    }
+    hw = detect_hardware(timeout=1)
+    for name, info in default_registry().backends().items():
+        if name not in probes or info.cls.probe_build.__func__ is Engine.probe_build.__func__:  # type: ignore[attr-defined]
+            continue  # a plugin, or a built-in that does not report its build yet
+        got: list[str] = []
+        want: list[str] = []
+        assert info.cls.probe_build(hw, got) == probes[name](hw, want), name
+        assert got == want, name
+
+
+def test_the_hardware_layer_knows_no_engine() -> None:
+    import ast
+
+    root = Path(_hardware.__file__).parent
+    modules = {
+        p: ast.parse(p.read_text(encoding="utf-8")) for p in [*root.glob("*.py"), Path(_builds.__file__)]
+    }
+
+    def imported(tree: ast.Module) -> set[str]:
+        names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+        return names
+
+    for path, tree in modules.items():
+        names = imported(tree)
+        if path.parent == root:
+            assert not {n for n in names if n.startswith(("unillm.engines", "unillm._plugins"))}, path
+        else:  # _builds: the standard library and the hardware data types; vLLM's rule is vLLM's
+            own = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names and n != "__future__"}
+            assert own <= {"unillm.backend", "unillm._hardware", "unillm.engines._vllm_build"}, own
+
 
 def fake_llama_cpp(tmp_path: Path, *libs: str) -> Path:
     pkg = tmp_path / "llama_cpp"
@@ -707,9 +817,9 @@ H100 = GPU(0, "nvidia", "NVIDIA H100 80GB HBM3", 80 * GIB)
 def with_engines(monkeypatch: pytest.MonkeyPatch, gpus: list[GPU], packages: dict[str, Path]) -> Hardware:
     monkeypatch.setattr(_hardware, "_probe_nvidia", lambda timeout, findings: (gpus, []))
     monkeypatch.setattr(_hardware, "_probe_amd", lambda timeout, findings: ([], []))
-    monkeypatch.setattr(_hardware._engines, "_package_dir", packages.get)  # where _probe_engines looks
+    monkeypatch.setattr(_builds, "_package_dir", packages.get)  # where the build probes look
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return detect_hardware(timeout=1)
+    return with_engine_builds(detect_hardware(timeout=1), built_in_probes())
 
 
 def test_llama_cpp_without_cuda_on_an_nvidia_machine_is_a_finding(
@@ -735,10 +845,11 @@ def test_llama_cpp_with_cuda_is_no_finding(tmp_path: Path, monkeypatch: pytest.M
 def test_gpu_engines_without_a_gpu_are_findings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu_vllm = {"vllm": "0.32.0", "exllamav2": "0.3.2"}  # whatever vLLM build this machine has
     monkeypatch.setattr(
-        _hardware._engines,
+        _builds,
         "_version",
         lambda *dists: next((gpu_vllm[d] for d in dists if d in gpu_vllm), None),
     )
+    monkeypatch.setattr(_builds, "_vllm_build", lambda: ("0.32.0", False))  # the vLLM backend's rule
     hw = with_engines(monkeypatch, [], {"exllamav2": tmp_path, "mlx": tmp_path, "vllm": tmp_path})
     assert any(f.startswith("exllamav2 is installed but there is no CUDA or ROCm GPU") for f in hw.findings)
     assert any("vLLM (GPU build) is installed but there is no GPU" in f for f in hw.findings)

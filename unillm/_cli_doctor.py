@@ -47,12 +47,13 @@ def doctor(as_json: JsonOpt = False) -> None:
     The --json output is also a hardware profile: `unillm select MODEL --hardware FILE` judges
     the machine it describes, its installed backends included.
     """
+    from unillm._doctor import with_engine_builds
     from unillm._hardware import detect_hardware
     from unillm._plugins import default_registry
 
-    hw = detect_hardware()
+    reg = default_registry()
+    hw = with_engine_builds(detect_hardware(), reg)  # the engine builds, from the backends
     if as_json:
-        reg = default_registry()
         _dump(
             {
                 "python": platform.python_version(),

@@ -4,13 +4,16 @@
 can also be written as literals or loaded from JSON, so a plan can be made for a machine you do not
 have (an 8xH100 box is a test fixture, not a purchase).
 
-Nothing heavy is imported here: ``pynvml`` is imported inside the NVIDIA probe, engines are found
-with ``importlib.util.find_spec`` (which does not run them), and command-line tools run as
-subprocesses with a timeout. docs/hardware.md says what is detected and how.
+Nothing heavy is imported here: ``pynvml`` is imported inside the NVIDIA probe, and command-line
+tools run as subprocesses with a timeout. docs/hardware.md says what is detected and how.
+
+No engine is known here: ``Hardware.engines`` (``EngineBuild``) is data that ``detect_hardware``
+leaves empty; the backends report their installed builds (``Engine.probe_build``), which
+``unillm._doctor.with_engine_builds`` adds for ``unillm doctor``.
 
 One layer a module: ``_model`` (the data model and its JSON), ``_bandwidth`` (bandwidth figures),
 ``_run`` (bounded subprocesses and calls), ``_host`` (CPU and memory), ``_nvidia`` and ``_amd``
-(GPUs), ``_engines`` (installed engine builds). They import one another, never this package.
+(GPUs). They import one another, never this package.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from unillm._hardware._amd import (
     parse_rocm_smi_topotype,
 )
 from unillm._hardware._bandwidth import apple_bandwidth, bandwidth_from_table, nvml_bandwidth
-from unillm._hardware._engines import _probe_engines, llama_cpp_devices
-from unillm._hardware._engines import vllm_build as vllm_build
 from unillm._hardware._host import _linux_memory as _linux_memory
 from unillm._hardware._host import _probe_host, _usable_cpus, cpu_features_from_flags
 from unillm._hardware._model import GPU, EngineBuild, Hardware, load_hardware
@@ -43,7 +44,6 @@ __all__ = [
     "bandwidth_from_table",
     "cpu_features_from_flags",
     "detect_hardware",
-    "llama_cpp_devices",
     "load_hardware",
     "nvml_bandwidth",
     "parse_amd_smi_static",
@@ -52,13 +52,14 @@ __all__ = [
     "parse_rocm_smi",
     "parse_rocm_smi_topotype",
 ]
-# Imported from here too, though not in __all__ (the ``as`` marks them re-exported): vllm_build
-# (engines/vllm.py), _linux_memory (_common.py) and Vendor.
+# Imported from here too, though not in __all__ (the ``as`` marks them re-exported): _linux_memory
+# (_common.py) and Vendor.
 
 
 def detect_hardware(*, timeout: float = 2.0) -> Hardware:
     """Probe this machine. Each probe runs at most ``timeout`` seconds and never raises: what it
-    cannot learn is left at its default and noted in ``findings``."""
+    cannot learn is left at its default and noted in ``findings``. Installed engines are not
+    probed here (``engines`` is empty): the backends report them (``unillm doctor``)."""
     findings: list[str] = []
     info: dict[str, Any] = {
         "os": platform.system() or sys.platform,
@@ -81,16 +82,9 @@ def detect_hardware(*, timeout: float = 2.0) -> Hardware:
         if not gpus and info["os"] == "Linux":
             gpus, links = _probe_amd(timeout, findings)
 
-    try:
-        engines = _probe_engines(info["os"], info["arch"], gpus, "apple_chip" in info, findings)
-    except Exception as exc:
-        engines = []
-        findings.append(f"installed engines could not be checked: {exc!r}")
-
     return Hardware(
         **info,
         gpus=tuple(gpus),
         nvlink=tuple(links),
-        engines=tuple(engines),
         findings=tuple(dict.fromkeys(findings)),
     )
