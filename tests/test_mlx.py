@@ -19,13 +19,19 @@ from unillm import (
     ModelNotFound,
     SamplingParams,
     UnillmWarning,
+    Workload,
     auto_engine,
+    inspect_model,
+    load_hardware,
+    plan,
 )
+from unillm.backend import Cost, EngineConfig, Facts
 from unillm.testing import TinyModel, check_engine
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm is not installed")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+LAPTOP = Path(__file__).parent / "profiles" / "laptop-8gb-cpu.json"
 PROMPT = "The quick brown fox"
 PROMPTS = [
     PROMPT,
@@ -45,6 +51,8 @@ def mlx(tiny: TinyModel, request: pytest.FixtureRequest) -> Any:
     opts = {"seed": 1234, "batch_size": request.param}
     with MLXEngine(model=str(tiny.hf_dir), context_length=512, options=opts) as engine:
         assert engine.capabilities.batching == (request.param > 1)
+        # what the selector sees for these options is what the loaded engine does
+        assert engine.capabilities == MLXEngine.capabilities_for(engine.options)
         yield engine
 
 
@@ -283,3 +291,90 @@ def test_auto_engine_picks_mlx_for_an_hf_directory(tiny: TinyModel) -> None:
     with auto_engine(tiny.hf_dir, context_length=128) as e:
         assert e.name == "mlx"
         assert e.selection is not None and "does not read safetensors" in e.selection.explain()
+
+
+# ---- what the backend tells the selector, and what it is told ----
+
+
+def test_capabilities_follow_the_options() -> None:
+    from unillm.engines.mlx import MLXEngine
+
+    assert MLXEngine.capabilities_for(MLXEngine.Options(batch_size=4)).batching is True
+    assert MLXEngine.capabilities_for(MLXEngine.Options(batch_size=1)).batching is False
+    assert MLXEngine.capabilities_for(MLXEngine.Options()).batching is True  # batch_size 8
+
+
+@pytest.mark.parametrize(
+    ("options", "planned"),
+    [({}, "f32"), ({"batch_size": 1}, "f32"), ({"batch_size": 1, "kv_bits": 8}, "q8"),
+     ({"batch_size": 1, "kv_bits": 4}, "q4")],
+)  # fmt: skip
+def test_kv_bytes_per_token_is_the_planners(tiny: TinyModel, options: dict[str, Any], planned: str) -> None:
+    """One KV formula: the engine's bytes per token are the plan's for the same model and KV dtype
+    (the tiny model is f32; mlx-lm's 8- and 4-bit caches cost the table's q8 and q4 bytes)."""
+    from unillm.engines.mlx import MLXEngine
+
+    info = inspect_model(tiny.hf_dir)
+    expected = plan(info, load_hardware(LAPTOP), Workload(kv_cache_dtype=planned)).kv_bytes_per_token  # type: ignore[arg-type]
+    with MLXEngine(model=str(tiny.hf_dir), context_length=256, options=options) as e:
+        stats = e.kv_stats()
+        assert stats.bytes_per_token == expected
+        assert stats.dtype == (f"{options['kv_bits']}-bit" if "kv_bits" in options else None)
+
+
+def test_kv_bits_while_batching_is_not_applied_and_says_so(tiny: TinyModel) -> None:
+    from unillm.engines.mlx import MLXEngine
+
+    e = MLXEngine(model=str(tiny.hf_dir), context_length=256, options={"kv_bits": 8})
+    with pytest.warns(UnillmWarning, match="BatchGenerator does not quantize"), e:
+        stats = e.kv_stats()
+        assert (stats.dtype, stats.bytes_per_token) == (None, 2 * 2 * 1 * 64 * 4)  # f32, not q8
+
+
+def test_the_load_reads_the_facts_it_is_given(tiny: TinyModel) -> None:
+    """The model's shape comes from ``engine.facts`` (what auto_engine read), not a second read."""
+    from dataclasses import replace
+
+    from unillm.engines.mlx import MLXEngine
+
+    info = inspect_model(tiny.hf_dir)
+    e = MLXEngine(model=str(tiny.hf_dir), options={"batch_size": 1})
+    e.facts = Facts(str(tiny.hf_dir), model=replace(info, context_length=300), hardware=None)
+    with e:
+        assert e._n_ctx == 300
+        with pytest.raises(ContextLengthExceeded, match="300"):
+            e.stream("word " * 320, GREEDY)
+
+
+def test_the_model_directory_of_a_multi_format_root_and_a_repo_id(tiny: TinyModel) -> None:
+    from unillm.engines.mlx import MLXEngine
+
+    with MLXEngine(model=str(tiny.root), context_length=128, options={"batch_size": 1}) as e:
+        assert e._info.path == str(tiny.hf_dir) and e._info.format == "safetensors"
+
+
+def test_fallback_steps() -> None:
+    from unillm.engines.mlx import MLXEngine
+
+    facts = Facts("m", model=None, hardware=None)
+
+    def labels(**options: Any) -> list[str]:
+        cfg = EngineConfig(model="m", context_length=4096, options=options)
+        return [f.label for f in MLXEngine.fallbacks(cfg, facts)]
+
+    base = ["context_length=2048", "context_length=1024"]
+    assert labels(batch_size=1) == [*base, "kv_bits=8"]
+    assert labels(batch_size=1, kv_bits=4) == base  # already quantized
+    assert labels() == base  # batching: BatchGenerator would not quantize the cache
+    (step,) = [f for f in MLXEngine.fallbacks(EngineConfig(model="m", options={"batch_size": 1}), facts)]
+    assert (step.cost, step.options, step.kv_cache_dtype) == (Cost.QUALITY, {"kv_bits": 8}, "q8")
+
+
+def test_probe_build_reports_the_installed_mlx() -> None:
+    from unillm.engines import _builds
+    from unillm.engines.mlx import MLXEngine
+
+    hw = load_hardware(LAPTOP)
+    findings: list[str] = []
+    build = MLXEngine.probe_build(hw, findings)
+    assert build is not None and build == _builds.mlx(hw, [])

@@ -2,7 +2,9 @@
 
 The generator runs on a ``StepWorker`` thread (it is not thread-safe): any number of threads or
 asyncio tasks generate at once and every decode step serves all of them together. A caller that
-stops early (a broken stream, a cancelled task) has its sequence removed at the next step.
+stops early (a broken stream, a cancelled task) has its sequence removed at the next step. The
+cache of the last finished sequence is kept (``KeptCache``) for the next request that shares a
+prefix with it. Used by ``unillm.engines.mlx`` only; it does not import that module.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from unillm._worker import Live, StepWorker
+from unillm.backend import Live, StepWorker, shared_prefix
+from unillm.engines._mlx_model import cache_offset
 
-__all__ = ["Batcher", "Live"]
+__all__ = ["Batcher", "KeptCache", "Live"]
 
 
 class _ThreadPool:
@@ -124,3 +127,48 @@ class Batcher(StepWorker):
 
     def _shutdown(self) -> None:
         self._gen = None
+
+
+class KeptCache:
+    """Batched mode's prefix reuse: the prompt cache of the last finished sequence, with the tokens
+    it holds, kept for the next request; the request that takes it trims it to the prefix both
+    share (a sequence's cache serves one request at a time)."""
+
+    def __init__(self, cache_mod: Any, *, enabled: bool) -> None:
+        self._mod = cache_mod  # mlx_lm.models.cache
+        self._enabled = enabled
+        self._lock = threading.Lock()
+        self._kept: tuple[list[Any], list[int]] | None = None
+
+    def keep(self, r: Any) -> None:
+        """Keep a finished sequence's cache (a ``GenerationBatch.Response``'s) if it can be trimmed."""
+        cache = r.prompt_cache
+        if self._enabled and cache and self._mod.can_trim_prompt_cache(cache):
+            with self._lock:
+                self._kept = (cache, list(r.all_tokens or []))
+
+    def take(self, ids: list[int]) -> tuple[list[Any] | None, int]:
+        """The kept cache trimmed to the prefix it shares with ``ids`` and that prefix's length, or
+        ``(None, 0)`` when nothing is kept or nothing is shared."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        if kept is None:
+            return None, 0
+        cache, tokens = kept
+        offset = cache_offset(cache) or 0
+        keep = shared_prefix(tokens[:offset], ids)
+        if keep == 0:
+            return None, 0
+        if offset - keep > 0:
+            self._mod.trim_prompt_cache(cache, offset - keep)
+        return cache, keep
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the kept cache holds."""
+        kept = self._kept
+        return (cache_offset(kept[0]) or 0) if kept else 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept = None

@@ -4,34 +4,49 @@ CPUs through mlx's CPU build.
 Generation wraps mlx-lm's ``stream_generate``. The adapter keeps one prompt cache and reuses the
 longest prefix it shares with the next prompt (trimming the rest), so a chat that resends its
 history pays only for the new turn; the reused count is reported in ``Usage``. mlx-lm has no stop
-strings: the base class provides them. Requests are serialized (one prompt cache, one sequence).
+strings: the base class provides them. With ``batch_size`` > 1 requests join mlx-lm's
+``BatchGenerator`` on a worker thread (``_mlx_batch``); with 1 they run one at a time.
 """
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from unillm._chat import check_chat_template
-from unillm._engine import Engine, Request
 from unillm._eos import eos_from_hf_dir
-from unillm._errors import (
-    BackendUnavailable,
-    ModelFormatError,
-    ModelLoadError,
-    ModelNotFound,
-    OutOfMemory,
+from unillm._errors import BackendUnavailable, ModelFormatError, ModelLoadError, OutOfMemory, warn
+from unillm.backend import (
+    STANDARD_SAMPLING,
+    Availability,
+    Capabilities,
+    Cost,
+    Engine,
+    EngineConfig,
+    Facts,
+    Fallback,
+    KVStats,
+    Request,
+    SamplingParams,
+    check_prompt,
+    installed,
+    kv_bytes_per_token,
+    shared_prefix,
 )
-from unillm._model_path import hf_dir_in
-from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams
-from unillm._common import check_prompt, installed, shared_prefix
-from unillm.engines._mlx_batch import Batcher
+from unillm.engines._mlx_batch import Batcher, KeptCache
+from unillm.engines._mlx_model import (
+    activation_dtype,
+    bits_dtype,
+    cache_offset,
+    check_tokenizer,
+    has_batch_generator,
+    model_dir,
+)
+from unillm.engines._mlx_sampling import processors, sampler
 
 if TYPE_CHECKING:
     import mlx.nn
@@ -98,12 +113,40 @@ class MLXEngine(Engine[MLXOptions]):
     def available(cls) -> Availability:
         return installed(("mlx", "mlx"), ("mlx_lm", "mlx-lm"), hint=INSTALL_HINT)
 
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        """With ``batch_size`` > 1 the engine batches (mlx-lm's ``BatchGenerator``)."""
+        if getattr(options, "batch_size", 1) > 1:
+            return replace(cls.capabilities, batching=True)
+        return cls.capabilities
+
+    @classmethod
+    def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
+        """The base steps (a shorter context), then an 8-bit KV cache when ``kv_bits`` is unset and
+        the engine would run one request at a time (``BatchGenerator`` does not quantize its cache,
+        so the step would change nothing for a batching engine)."""
+        steps = [*super().fallbacks(config, facts)]
+        try:
+            opts = MLXOptions(**config.options_for(cls.name))
+        except ValueError:  # options the load refused: no steps of its own
+            return steps
+        if opts.kv_bits is None and not cls.capabilities_for(opts).batching:
+            steps.append(Fallback("kv_bits=8", Cost.QUALITY, options={"kv_bits": 8}, kv_cache_dtype="q8"))
+        return steps
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        from unillm.engines._builds import mlx  # Metal, CUDA or the CPU, from the installed wheels
+
+        return mlx(hardware, findings)
+
     # ---- load ----
 
     def _load(self) -> None:
         opts = self.options
-        path = _resolve(self.config.model)
-        config = _read_config(path)
+        # what auto_engine read while choosing (or, built directly, read now): never re-read here
+        path, info = model_dir(self.config.model, self.facts)  # ModelNotFound / ModelFormatError
+        check_tokenizer(path)
         avail = self.available()
         if not avail.available:
             raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
@@ -124,10 +167,14 @@ class MLXEngine(Engine[MLXOptions]):
         except ValueError as exc:
             if "not supported" in str(exc):
                 raise ModelFormatError(
-                    f"mlx-lm does not support the model_type {config.get('model_type')!r} of "
+                    f"mlx-lm does not support the model_type {info.architecture!r} of "
                     f"{self.config.model!r}; upgrade mlx-lm or use another backend"
                 ) from exc
             raise ModelLoadError(f"mlx-lm failed to load {self.config.model!r}: {exc}") from exc
+        except KeyError as exc:  # a config.json without a key mlx-lm needs (model_type)
+            raise ModelFormatError(
+                f"mlx-lm cannot read the config.json of {self.config.model!r}: no {exc}"
+            ) from exc
         except (FileNotFoundError, OSError) as exc:
             raise ModelFormatError(f"{self.config.model!r} is incomplete: {exc}") from exc
         except MemoryError as exc:
@@ -137,14 +184,14 @@ class MLXEngine(Engine[MLXOptions]):
         self._cache_mod = mlx_cache
         self._model: mlx.nn.Module = model
         self._tokenizer = tokenizer
-        self._config = config
-        trained = config.get("max_position_embeddings") or config.get("max_seq_len")
-        limit = trained if isinstance(trained, int) and trained > 0 else _DEFAULT_CONTEXT
+        self._info = info
+        trained = info.context_length
+        limit = trained if trained else _DEFAULT_CONTEXT
         self._n_ctx = min(self.config.context_length or limit, limit)
         template = self._chat_template()
         if self.config.chat_template is None and template is not None:
             check_chat_template(template, source=str(path))  # a broken one fails at load
-        self.vocab_size = config.get("vocab_size") or len(tokenizer)
+        self.vocab_size = info.vocab_size or len(tokenizer)
         # the model's declared end-of-sequence set (unillm._eos), the same on every backend
         self.eos_token_ids = eos_from_hf_dir(path, to_id=self._one_token, vocab_size=self.vocab_size)
         self._eos = self.eos_token_ids
@@ -153,11 +200,24 @@ class MLXEngine(Engine[MLXOptions]):
         self._cache_tokens: list[int] = []
         self._queries = 0
         self._hits = 0
-        self._saved: tuple[list[Any], list[int]] | None = None  # batched mode's reusable cache
-        self._saved_lock = threading.Lock()
+        self._kept = KeptCache(mlx_cache, enabled=opts.prompt_cache)  # batched mode's prefix reuse
         self._inflight: dict[int, int] = {}  # batched mode: request -> tokens it holds
         self._batcher: Batcher | None = None
-        if opts.batch_size > 1 and _has_batch_generator():
+        batched = self.capabilities.batching  # what capabilities_for declared for these options
+        if batched and not has_batch_generator():
+            warn(
+                f"this mlx-lm has no BatchGenerator: batch_size={opts.batch_size} runs one request at a "
+                "time; upgrade mlx-lm (>= 0.32) or load with batch_size=1"
+            )
+            one = opts.model_copy(update={"batch_size": 1})
+            self.capabilities = type(self).capabilities_for(one)  # type: ignore[misc]
+            batched = False
+        if batched:
+            if opts.kv_bits is not None:
+                warn(
+                    f"mlx-lm's BatchGenerator does not quantize the KV cache: kv_bits={opts.kv_bits} "
+                    "applies with batch_size=1 only"
+                )
             self._batcher = Batcher(
                 model,
                 sorted(self._eos),
@@ -165,7 +225,9 @@ class MLXEngine(Engine[MLXOptions]):
                 prefill_step_size=opts.prefill_step_size,
                 max_kv_size=opts.max_kv_size,
             )
-            self.capabilities = replace(type(self).capabilities, batching=True)  # type: ignore[misc]
+        # the KV cache's element type: the model's activations', or kv_bits' when mlx-lm quantizes
+        bits = opts.kv_bits if not batched else None
+        self._kv_dtype = activation_dtype(model, info) if bits is None else bits_dtype(bits)
 
     # ---- stream ----
 
@@ -210,8 +272,8 @@ class MLXEngine(Engine[MLXOptions]):
             tokenizer,
             mx.array(ids[cached:]),
             max_tokens=max_tokens,
-            sampler=self._sampler(params),
-            logits_processors=self._processors(params),
+            sampler=sampler(mx, params, opts.seed),
+            logits_processors=processors(params),
             prompt_cache=self._cache,
             prefill_step_size=opts.prefill_step_size,
             kv_bits=opts.kv_bits,
@@ -243,7 +305,7 @@ class MLXEngine(Engine[MLXOptions]):
             gen.close()
             tokenizer.eos_token_ids = self._eos
             # What the cache holds now: everything fed to the model, which is what we saw.
-            offset = _cache_offset(self._cache)
+            offset = cache_offset(self._cache)
             self._cache_tokens = seen[:offset] if offset is not None else []
             if last is not None:
                 evaluated = len(ids) - cached
@@ -257,7 +319,7 @@ class MLXEngine(Engine[MLXOptions]):
         batcher = self._batcher  # close() drops the attribute while this stream may still run
         assert batcher is not None
         req.prompt_tokens = len(ids)
-        cache, cached = self._take_saved(ids)
+        cache, cached = self._kept.take(ids)
         req.cached_tokens = cached
         self._queries += len(ids)
         self._hits += cached
@@ -267,8 +329,8 @@ class MLXEngine(Engine[MLXOptions]):
         live = batcher.submit_prompt(
             ids[cached:],
             max_tokens=max_tokens,
-            sampler=self._sampler(params),
-            processors=self._processors(params),
+            sampler=sampler(self._mx, params, self.options.seed),
+            processors=processors(params),
             ignore_eos=params.ignore_eos,
             cache=cache,
             history=ids[:cached] if cached else None,
@@ -278,62 +340,34 @@ class MLXEngine(Engine[MLXOptions]):
         want_lp = params.logprobs is not None
         key = id(req)
         self._inflight[key] = len(ids)
-        finished = False
         try:
-            while True:
-                r = live.events.get()
-                if isinstance(r, BaseException):
-                    finished = True
-                    raise r
-                tok = r.token
-                if r.finish_reason == "stop":  # the end-of-sequence token (never with ignore_eos)
-                    finished = True
-                    req.finish_reason = "stop"
-                    self._save(r)
-                    detok.finalize()
-                    if detok.last_segment:
-                        yield detok.last_segment, (), None
-                    return
-                if tok in stop_ids:
-                    req.finish_reason = "stop"
-                    return
-                detok.add_token(tok)
-                self._inflight[key] += 1
-                lp = (float(r.logprobs[tok].item()),) if want_lp else None  # type: ignore[arg-type]
-                if r.finish_reason == "length":
-                    finished = True
-                    req.finish_reason = "length"
-                    self._save(r)
-                    detok.finalize()
+            # the worker's events up to the last one; leaving early cancels the sequence
+            with closing(batcher.events(live, last=_finished)) as events:  # type: ignore[type-var]
+                for r in events:
+                    tok = r.token
+                    if r.finish_reason == "stop":  # the end-of-sequence token (never with ignore_eos)
+                        req.finish_reason = "stop"
+                        self._kept.keep(r)
+                        detok.finalize()
+                        if detok.last_segment:
+                            yield detok.last_segment, (), None
+                        return
+                    if tok in stop_ids:
+                        req.finish_reason = "stop"
+                        return
+                    detok.add_token(tok)
+                    self._inflight[key] += 1
+                    lp = (float(r.logprobs[tok].item()),) if want_lp else None  # type: ignore[arg-type]
+                    if r.finish_reason == "length":
+                        req.finish_reason = "length"
+                        self._kept.keep(r)
+                        detok.finalize()
+                        yield detok.last_segment, (tok,), lp
+                        return
                     yield detok.last_segment, (tok,), lp
-                    return
-                yield detok.last_segment, (tok,), lp
         finally:
             self._inflight.pop(key, None)
-            if not finished:
-                batcher.cancel(live)
             req.peak_memory_bytes = int(self._mx.get_peak_memory())
-
-    def _save(self, r: Any) -> None:
-        """Keep a finished sequence's cache for the next request to reuse its prefix."""
-        cache = r.prompt_cache
-        if self.options.prompt_cache and cache and self._cache_mod.can_trim_prompt_cache(cache):
-            with self._saved_lock:
-                self._saved = (cache, list(r.all_tokens or []))
-
-    def _take_saved(self, ids: list[int]) -> tuple[list[Any] | None, int]:
-        with self._saved_lock:
-            saved, self._saved = self._saved, None
-        if saved is None:
-            return None, 0
-        cache, tokens = saved
-        offset = _cache_offset(cache) or 0
-        keep = shared_prefix(tokens[:offset], ids)
-        if keep == 0:
-            return None, 0
-        if offset - keep > 0:
-            self._cache_mod.trim_prompt_cache(cache, offset - keep)
-        return cache, keep
 
     def _reuse_prefix(self, ids: list[int]) -> int:
         """Trim the prompt cache to the longest prefix it shares with ``ids`` (keeping at least
@@ -345,76 +379,13 @@ class MLXEngine(Engine[MLXOptions]):
             and cache_mod.can_trim_prompt_cache(self._cache)
         ):
             keep = shared_prefix(self._cache_tokens, ids)
-            offset = _cache_offset(self._cache) or 0
+            offset = cache_offset(self._cache) or 0
             if offset - keep > 0:
                 cache_mod.trim_prompt_cache(self._cache, offset - keep)
             if keep:
                 return keep
         self._cache = cache_mod.make_prompt_cache(self._model, max_kv_size=self.options.max_kv_size)
         return 0
-
-    def _sampler(self, params: SamplingParams) -> Any:
-        """mlx-lm's sampling chain; a seeded request draws from its own key, so its tokens do not
-        depend on what else runs in the batch."""
-        sampler = self._chain(params)
-        if not params.logit_bias:
-            return sampler
-        # The bias applies where tokens are drawn, not as a logits processor: mlx-lm reports the
-        # logprobs its processors return, and a logprob means the model's own distribution on
-        # every backend (llama.cpp's and vLLM's are taken before the bias too).
-        mx = self._mx
-        idx = mx.array([int(k) for k in params.logit_bias])
-        val = mx.array([float(v) for v in params.logit_bias.values()])
-
-        def biased(logprobs: Any) -> Any:
-            return sampler(logprobs.at[..., idx].add(val))
-
-        return biased
-
-    def _chain(self, params: SamplingParams) -> Any:
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
-
-        temp = params.temperature
-        seed = params.seed if params.seed is not None else self.options.seed
-        if temp == 0.0 or seed is None:
-            return make_sampler(
-                temp=temp,
-                top_p=params.top_p if params.top_p < 1.0 else 0.0,
-                min_p=params.min_p,
-                top_k=params.top_k or 0,
-            )
-        mx = self._mx
-        filters: list[Any] = []
-        if params.top_p < 1.0:
-            filters.append(lambda x: apply_top_p(x, params.top_p))
-        if params.min_p > 0.0:
-            filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-        if params.top_k:
-            filters.append(lambda x: apply_top_k(x, params.top_k))
-        key = [mx.random.key(seed)]
-
-        def sample(logprobs: Any) -> Any:
-            for f in filters:
-                logprobs = f(logprobs)
-            key[0], sub = mx.random.split(key[0])
-            return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
-
-        return sample
-
-    def _processors(self, params: SamplingParams) -> list[Any] | None:
-        from mlx_lm.sample_utils import make_logits_processors
-
-        penalties = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-        if not penalties:
-            return None
-        return make_logits_processors(
-            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-            repetition_context_size=64,
-            presence_penalty=params.presence_penalty or None,
-            presence_context_size=64,
-            frequency_penalty=params.frequency_penalty or None,
-            frequency_context_size=64,
-        )
 
     # ---- chat and tokenizer ----
 
@@ -439,33 +410,28 @@ class MLXEngine(Engine[MLXOptions]):
     # ---- kv_stats ----
 
     def kv_stats(self) -> KVStats:
-        cfg = self._config
-        layers = cfg.get("num_hidden_layers")
-        heads = cfg.get("num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        hidden = cfg.get("hidden_size")
-        head_dim = cfg.get("head_dim") or (hidden // heads if hidden and heads else None)
-        itemsize = _embedding_itemsize(self._model)
+        info, dtype = self._info, self._kv_dtype
         bpt = None
-        if isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int) and itemsize:
-            bpt = 2 * layers * kv_heads * head_dim * itemsize
+        if info.layers and info.kv_heads and info.head_dim and dtype:
+            bpt = kv_bytes_per_token(info.layers, info.kv_heads, info.head_dim, dtype)
         capacity = self.options.max_kv_size or self._n_ctx
         if self._batcher is not None:
             # batched: each of batch_size sequences may hold a whole context; sizes are estimates
-            saved = self._saved
-            used = sum(self._inflight.values()) + ((_cache_offset(saved[0]) or 0) if saved else 0)
+            used = sum(self._inflight.values()) + self._kept.tokens
             used_bytes = bpt * used if bpt else None
             capacity *= self.options.batch_size
+            bits = None  # BatchGenerator keeps its cache unquantized
         else:
-            used = _cache_offset(self._cache) or 0
+            used = cache_offset(self._cache) or 0
             used_bytes = sum(int(c.nbytes) for c in self._cache) if self._cache else 0
+            bits = self.options.kv_bits
         return KVStats(
             capacity_tokens=capacity,
             used_tokens=used,
             bytes_per_token=bpt,
             capacity_bytes=bpt * capacity if bpt else None,
             used_bytes=used_bytes,
-            dtype=f"{self.options.kv_bits}-bit" if self.options.kv_bits else None,
+            dtype=f"{bits}-bit" if bits else None,
             prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
         )
@@ -475,8 +441,7 @@ class MLXEngine(Engine[MLXOptions]):
         with self._busy():
             self._cache = None
             self._cache_tokens = []
-            with self._saved_lock:
-                self._saved = None
+            self._kept.clear()
 
     # ---- close ----
 
@@ -484,74 +449,16 @@ class MLXEngine(Engine[MLXOptions]):
         if self._batcher is not None:
             self._batcher.close()
             self._batcher = None
-        for attr in ("_model", "_tokenizer", "_cache", "_saved"):
+        for attr in ("_model", "_tokenizer", "_cache", "_kept"):
             self.__dict__.pop(attr, None)
         mx = self.__dict__.get("_mx")
         if mx is not None:
             mx.clear_cache()
 
 
-# ---- error map ----
+# ---- helpers ----
 
 
-def _resolve(model: str) -> Path:
-    """A local directory, or an HF repo id found in the local HF cache (never downloaded)."""
-    path = Path(model).expanduser()
-    if path.exists():
-        hf = hf_dir_in(path)  # a directory holding the model's formats side by side: its HF one
-        if hf is not None:
-            return hf
-        if path.is_file():
-            raise ModelFormatError(
-                f"{model!r} is a file; MLX reads Hugging Face-style model directories "
-                "(config.json, *.safetensors, tokenizer). For a .gguf file use backend='llama.cpp'."
-            )
-        return path
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(model, local_files_only=True))
-        except Exception as exc:
-            raise ModelNotFound(model) from exc
-    raise ModelNotFound(model)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    config = path / "config.json"
-    if not config.is_file():
-        raise ModelFormatError(f"{str(path)!r} has no config.json: not a Hugging Face-style model directory")
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{str(config)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ModelFormatError(f"{str(config)!r} names no model_type")
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelFormatError(
-            f"{str(path)!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)"
-        )
-    return data
-
-
-def _has_batch_generator() -> bool:
-    try:
-        from mlx_lm.generate import BatchGenerator  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _cache_offset(cache: list[Any] | None) -> int | None:
-    if not cache:
-        return None
-    offset = getattr(cache[0], "offset", None)
-    return int(offset) if offset is not None else None
-
-
-def _embedding_itemsize(model: Any) -> int | None:
-    """Bytes per element of the model's activations (its embedding dtype), for KV sizing."""
-    try:
-        return int(model.parameters()["model"]["embed_tokens"]["weight"].dtype.size)
-    except (KeyError, TypeError, AttributeError):
-        return None
+def _finished(r: Any) -> bool:
+    """A ``BatchGenerator`` response that ends its sequence."""
+    return r.finish_reason is not None
