@@ -437,3 +437,168 @@ def test_a_closed_engine_passes_check_closed(tiny_gguf: Path) -> None:
     e.load()
     e.close()
     check_closed(e)
+
+
+# ---- what the backend knows: its KV size, its fallback steps, its facts ----
+
+
+@pytest.mark.parametrize("kv_cache_type", ["f16", "q8_0"])
+def test_kv_bytes_per_token_is_the_planners(tiny_gguf: Path, kv_cache_type: str) -> None:
+    from unillm import GPU, Hardware, Workload, plan
+    from unillm.backend import kv_dtype
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    options = {"n_threads": 2, "kv_cache_type": kv_cache_type}
+    with LlamaCppEngine(model=str(tiny_gguf), context_length=128, options=options) as e:
+        hw = Hardware(
+            os="linux", arch="x86_64", ram_total_bytes=64 << 30, gpus=(GPU(0, "nvidia", "GPU", 8 << 30),)
+        )
+        planned = plan(e.facts.model, hw, Workload(kv_cache_dtype=kv_dtype(kv_cache_type)))  # type: ignore[arg-type]
+        stats = e.kv_stats()
+        assert stats.bytes_per_token == planned.kv_bytes_per_token > 0
+        assert stats.dtype == kv_cache_type
+
+
+def _facts(*, layers: int | None = 24, gpus: int = 1, planned: int | None = None) -> Any:
+    from unillm import GPU, Hardware, ModelInfo, Plan
+    from unillm.backend import Facts
+
+    model = ModelInfo("m.gguf", "gguf", layers=layers, kv_heads=8, head_dim=128, context_length=4096)
+    hw = Hardware(
+        os="linux", arch="x86_64", gpus=tuple(GPU(i, "nvidia", "GPU", 24 << 30) for i in range(gpus))
+    )
+    the_plan = Plan(0, 0, 0, 0, 0, fits=False, headroom_bytes=0, gpu_layers=planned)
+    return Facts("m.gguf", model=model, hardware=hw, plan=the_plan)
+
+
+def _steps(facts: Any, **config: Any) -> list[tuple[str, Any, dict[str, Any]]]:
+    from unillm import EngineConfig
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    steps = LlamaCppEngine.fallbacks(EngineConfig(model="m.gguf", **config), facts)
+    return [(s.label, s.cost, dict(s.options)) for s in steps]
+
+
+def test_fallbacks_a_shorter_context_a_q8_cache_then_fewer_gpu_layers() -> None:
+    from unillm import EngineConfig
+    from unillm.backend import Cost
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    got = _steps(_facts(), context_length=4096)
+    assert got == [
+        ("context_length=2048", Cost.CAPABILITY, {}),
+        ("context_length=1024", Cost.CAPABILITY, {}),
+        ("kv_cache_type=q8_0", Cost.QUALITY, {"kv_cache_type": "q8_0"}),
+        ("n_gpu_layers=12", Cost.SPEED, {"n_gpu_layers": 12}),
+        ("n_gpu_layers=6", Cost.SPEED, {"n_gpu_layers": 6}),
+        ("n_gpu_layers=3", Cost.SPEED, {"n_gpu_layers": 3}),
+        ("n_gpu_layers=1", Cost.SPEED, {"n_gpu_layers": 1}),
+    ]
+    # auto_engine walks them cheapest first: the cache, the layers, then the context
+    assert [c for _, c, _ in sorted(got, key=lambda s: s[1])][:2] == [Cost.QUALITY, Cost.SPEED]
+    q8 = LlamaCppEngine.fallbacks(EngineConfig(model="m.gguf"), _facts())[0]
+    assert (q8.label, q8.kv_cache_dtype, q8.context_length) == ("kv_cache_type=q8_0", "q8", None)
+
+
+def test_fallbacks_start_the_gpu_layers_at_the_plans() -> None:
+    got = [label for label, _, _ in _steps(_facts(planned=20))]
+    assert got == ["kv_cache_type=q8_0", *(f"n_gpu_layers={n}" for n in (20, 10, 5, 2, 1))]
+    # a plan that puts every layer on the GPU says nothing about fewer: half the layers
+    assert [label for label, _, _ in _steps(_facts(planned=24))][1] == "n_gpu_layers=12"
+    # no layer count and no plan: no GPU step
+    assert [label for label, _, _ in _steps(_facts(layers=None))] == ["kv_cache_type=q8_0"]
+
+
+def test_fallbacks_follow_what_the_user_set() -> None:
+    explicit = _steps(_facts(planned=20), options={"n_gpu_layers": 16, "kv_cache_type": "q4_0"})
+    assert [label for label, _, _ in explicit] == [f"n_gpu_layers={n}" for n in (8, 4, 2, 1)]
+    # a backend's own table counts as what the user set, and "auto"/-1 mean all layers
+    tabled = _steps(_facts(), backend_options={"llama.cpp": {"kv_cache_type": "q8_0", "n_gpu_layers": 1}})
+    assert tabled == []
+    assert _steps(_facts(), options={"n_gpu_layers": "auto"})[1][0] == "n_gpu_layers=12"
+    assert _steps(_facts(), options={"n_gpu_layers": -1})[1][0] == "n_gpu_layers=12"
+    assert _steps(_facts(), options={"n_gpu_layers": 0}) == [_steps(_facts())[0]]
+
+
+def test_fallbacks_without_a_gpu_take_no_layers_off_it() -> None:
+    assert [label for label, _, _ in _steps(_facts(gpus=0))] == ["kv_cache_type=q8_0"]
+    from unillm.backend import Facts
+
+    assert [label for label, _, _ in _steps(Facts("m.gguf", model=None, hardware=None, plan=None))] == [
+        "kv_cache_type=q8_0"
+    ]
+
+
+def test_load_uses_the_facts_it_is_handed(tiny_gguf: Path) -> None:
+    """auto_engine hands in what it read; the load reads neither the model nor the header again."""
+    import dataclasses
+
+    from unillm._inspect import inspect_model, read_gguf_header
+    from unillm.backend import Facts
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    info = dataclasses.replace(inspect_model(tiny_gguf), context_length=256)  # a trained context of 256
+    e = LlamaCppEngine(model=str(tiny_gguf), options={"n_threads": 2})
+    e.facts = Facts(str(tiny_gguf), model=info, hardware=None, plan=None)
+    e.facts.__dict__["gguf_header"] = read_gguf_header(tiny_gguf)
+    with e:
+        assert e.kv_stats().capacity_tokens == 256  # min(the facts' trained context, 4096)
+    e2 = LlamaCppEngine(model=str(tiny_gguf), context_length=512, options={"n_threads": 2})
+    e2.facts = Facts(str(tiny_gguf), model=info, hardware=None, plan=None)
+    with pytest.raises(ConfigError, match="256 tokens"):
+        e2.load()
+
+
+def _lazy(header: Any) -> Any:
+    """``header`` as a lazy read that stopped at the vocabulary leaves it: no token ids, no chat
+    template, no tensor extent."""
+    import dataclasses
+
+    kept = {
+        k: v for k, v in header.metadata.items() if not k.startswith("tokenizer.ggml.") and "chat" not in k
+    }
+    return dataclasses.replace(header, metadata=kept, unread=(0, None), data_end=None, tensor_bytes=None)
+
+
+def test_a_lazy_header_gets_the_rest_from_what_llama_cpp_read(
+    llama: Any, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from unillm._inspect import read_gguf_header
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    e = LlamaCppEngine(model=str(tiny_gguf), context_length=128, options={"n_threads": 2})
+    e.facts.__dict__["gguf_header"] = _lazy(read_gguf_header(tiny_gguf))
+    with e:
+        assert e.eos_token_ids == llama.eos_token_ids and e.eos_token_ids
+        assert e.render_chat([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    # the template the header did not hold is still checked at load
+    broken = write_variant_gguf(tmp_path / "broken.gguf", chat_template="{% for m in messages %}")
+    b = LlamaCppEngine(model=str(broken), context_length=128)
+    b.facts.__dict__["gguf_header"] = _lazy(read_gguf_header(broken))
+    with pytest.raises(ModelFormatError, match=r"broken\.gguf"):
+        b.load()
+    # a truncated file the header could not tell: llama.cpp's refusal, said the same way
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-1000])
+    c = LlamaCppEngine(model=str(cut), context_length=128)
+    c.facts.__dict__["gguf_header"] = _lazy(read_gguf_header(cut))
+    with pytest.raises(ModelFormatError, match="truncated"):
+        c.load()
+
+
+def test_a_model_directory_reads_its_gguf(tiny: TinyModel) -> None:
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    with LlamaCppEngine(model=str(tiny.root), context_length=128, options={"n_threads": 2}) as e:
+        assert e.facts.model is not None and e.facts.model.format == "gguf"
+        assert e.kv_stats().bytes_per_token == 2 * 2 * 1 * 64 * 2
+        assert e.generate(PROMPT, GREEDY).usage.completion_tokens == GREEDY.max_tokens
+
+
+def test_probe_build_reports_the_installed_llama_cpp() -> None:
+    from unillm import Hardware
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    findings: list[str] = []
+    build = LlamaCppEngine.probe_build(Hardware(os="linux", arch="x86_64"), findings)
+    assert build is not None and build.name == "llama.cpp" and "cpu" in build.devices

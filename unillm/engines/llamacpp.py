@@ -12,28 +12,45 @@ Never across several GPUs (a hard rule): on a multi-GPU machine the model runs o
 from __future__ import annotations
 
 import codecs
-import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from unillm._chat import check_chat_template, compile_error, compile_error_types
-from unillm._engine import Engine, Request
 from unillm._eos import eos_from_gguf_metadata
-from unillm._errors import (
-    BackendUnavailable,
-    ConfigError,
-    ModelFormatError,
-    ModelLoadError,
-    OutOfMemory,
-)
-from unillm._inspect import GGUFHeader, read_gguf_header
+from unillm._errors import BackendUnavailable, ConfigError
 from unillm._model_path import gguf_in
-from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm._common import available_ram_bytes, check_prompt, installed, shared_prefix
+from unillm.backend import (
+    STANDARD_SAMPLING,
+    Availability,
+    Capabilities,
+    Cost,
+    Engine,
+    EngineConfig,
+    Facts,
+    Fallback,
+    KVStats,
+    Request,
+    SamplingParams,
+    Suitability,
+    check_prompt,
+    installed,
+    kv_dtype,
+    shared_prefix,
+)
+from unillm.engines._llamacpp_load import (
+    LlamaLog,
+    check_fits,
+    checked_header,
+    eval_error,
+    fewer_gpu_layers,
+    full_metadata,
+    load_error,
+    model_shape,
+    no_chat_handlers,
+)
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -44,8 +61,8 @@ INSTALL_HINT = (
     "pip install 'unillm[llamacpp]'  (builds from source; for NVIDIA GPUs prefix "
     'CMAKE_ARGS="-DGGML_CUDA=on", for AMD "-DGGML_HIP=on")'
 )
-# KV cache element type -> (ggml type id, bytes per element)
-_KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
+# KV cache element type -> its ggml type id (llama.cpp's type_k / type_v); its size is unillm._kv's
+_GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 _DEFAULT_CONTEXT = 4096
 
 
@@ -137,12 +154,41 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 )
         return Suitability(fit.score, (*fit.reasons, "uses one GPU at most (never split across GPUs)"))
 
+    @classmethod
+    def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
+        """The base steps (a shorter context), then llama.cpp's own: a q8_0 KV cache when the
+        options leave it at f16, and, on a machine with a GPU, fewer layers on it: what the plan
+        says fits (else half the model's layers, or half of an explicit ``n_gpu_layers``), then
+        half again down to 1."""
+        opts = config.options_for(cls.name)
+        steps = [*super().fallbacks(config, facts)]
+        if opts.get("kv_cache_type", "f16") == "f16":
+            steps.append(
+                Fallback(
+                    "kv_cache_type=q8_0", Cost.QUALITY, options={"kv_cache_type": "q8_0"}, kv_cache_dtype="q8"
+                )
+            )
+        hardware = facts.hardware
+        if hardware is not None and hardware.gpus:
+            for n in fewer_gpu_layers(opts.get("n_gpu_layers"), facts):
+                steps.append(Fallback(f"n_gpu_layers={n}", Cost.SPEED, options={"n_gpu_layers": n}))
+        return steps
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        from unillm.engines._builds import llamacpp  # the build's devices, from its libraries
+
+        return llamacpp(hardware, findings)
+
     # ---- load ----
 
     def _load(self) -> None:
         opts = self.options
         self._path = gguf_in(self.config.model) or Path(self.config.model)
-        header = _checked_header(self._path)
+        # what auto_engine read while choosing (or, built directly, read now): never re-read here
+        info = self.facts.model
+        header = checked_header(self.facts.gguf_header, self._path)  # ModelNotFound / ModelFormatError
+        shape = model_shape(info, header)
         avail = self.available()
         if not avail.available:
             raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
@@ -156,21 +202,15 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 f"context_length={self.config.context_length} and options n_ctx={opts.n_ctx} "
                 "disagree; set only one"
             )
-        trained = header.arch_value("context_length")
-        n_ctx = (
-            opts.n_ctx
-            or self.config.context_length
-            or min(
-                trained if isinstance(trained, int) and trained > 0 else _DEFAULT_CONTEXT, _DEFAULT_CONTEXT
-            )
-        )
+        trained = shape.trained_context
+        n_ctx = opts.n_ctx or self.config.context_length or min(trained or _DEFAULT_CONTEXT, _DEFAULT_CONTEXT)
         gpu_layers = opts.n_gpu_layers
         if gpu_layers is None or gpu_layers == "auto":
             gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
-        kv_type, kv_bytes = _KV_TYPES[opts.kv_cache_type]
+        kv_type, dtype = _GGML_KV_TYPES[opts.kv_cache_type], kv_dtype(opts.kv_cache_type)
         if gpu_layers == 0 and not opts.skip_memory_check:
-            _check_fits(header, n_ctx, kv_bytes, self.config.model)
-        if isinstance(trained, int) and 0 < trained < n_ctx and not opts.allow_longer_context:
+            check_fits(shape, n_ctx, dtype, self.config.model)
+        if trained and trained < n_ctx and not opts.allow_longer_context:
             raise ConfigError(
                 f"context {n_ctx} is longer than the {trained} tokens {self.config.model!r} was "
                 "trained for, and past that its output degrades; use a context of at most "
@@ -197,18 +237,19 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         if opts.seed is not None:
             kwargs["seed"] = opts.seed
 
+        own_template = self.config.chat_template is None
         template = header.metadata.get("tokenizer.chat_template")
-        if self.config.chat_template is None and isinstance(template, str):
+        if own_template and isinstance(template, str):
             check_chat_template(template, source=str(self._path))  # a broken one fails at load
-        with _LlamaLog(llama_cpp) as log, _no_chat_handlers(llama_cpp):
+        with LlamaLog(llama_cpp) as log, no_chat_handlers(llama_cpp):
             try:
                 llm = llama_cpp.Llama(model_path=str(self._path), **kwargs)
             except compile_error_types() as exc:  # Llama() compiles the file's chat templates
                 raise compile_error(exc, str(self._path), loader="llama-cpp-python") from exc
             except (ValueError, RuntimeError, OSError) as exc:
-                raise _load_error(exc, log.text(), header, self.config.model) from exc
+                raise load_error(exc, log.text(), header, self.config.model) from exc
+        metadata = full_metadata(llm, header, check_template=own_template, source=str(self._path))
         self._llm: Llama = llm
-        self._header = header
         self._vocab = llm._model.vocab
         self._n_vocab = llm.n_vocab()
         # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
@@ -216,7 +257,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         self._n_ctx = min(llm.n_ctx(), len(llm.input_ids))
         self.vocab_size = self._n_vocab
         self.eos_token_ids = eos_from_gguf_metadata(
-            header.metadata,
+            metadata,
             to_id=self._one_token,
             vocab_size=self._n_vocab,
         )
@@ -231,6 +272,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         self._queries = 0
         self._hits = 0
         self._kv_dtype = opts.kv_cache_type
+        self._kv_bytes_per_token = shape.kv_bytes_per_token(dtype)
 
     # ---- stream ----
 
@@ -269,7 +311,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             llm.eval(ids[cached:])
         except Exception as exc:
             llm.n_tokens = 0
-            raise _eval_error(exc) from exc
+            raise eval_error(exc) from exc
         # llama.cpp books its timings when it synchronizes, i.e. at the next sample: the prefill's
         # time is known after the first sample, each decode step's after the following one.
         prefill_ms = -1.0
@@ -331,7 +373,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             pos[0] = n_past
             rc = decode(ctx, batch)
             if rc != 0:
-                raise _eval_error(RuntimeError(f"llama_decode returned {rc}"))
+                raise eval_error(RuntimeError(f"llama_decode returned {rc}"))
             input_ids[n_past] = tok
             llm.n_tokens = n_past + 1
 
@@ -399,7 +441,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     # ---- kv_stats ----
 
     def kv_stats(self) -> KVStats:
-        bpt = _kv_bytes_per_token(self._header, _KV_TYPES[self._kv_dtype][1])
+        bpt = self._kv_bytes_per_token
         used = self._llm.n_tokens
         return KVStats(
             capacity_tokens=self._n_ctx,
@@ -424,155 +466,3 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         llm = self.__dict__.pop("_llm", None)
         if llm is not None:
             llm.close()
-
-
-# ---- error map ----
-
-
-def _checked_header(path: Path) -> GGUFHeader:
-    header = read_gguf_header(path)  # ModelNotFound / ModelFormatError
-    if header.truncated:
-        raise ModelFormatError(
-            f"{str(path)!r} is truncated: its tensors end at byte {header.data_end} but the file has "
-            f"{header.file_size} bytes. Download or convert it again."
-        )
-    return header
-
-
-def _kv_bytes_per_token(h: GGUFHeader, bytes_per_element: float) -> int | None:
-    """K and V bytes per token over all layers, from the GGUF's attention shape."""
-    layers = h.arch_value("block_count")
-    heads = h.arch_value("attention.head_count")
-    kv_heads = h.arch_value("attention.head_count_kv") or heads
-    embd = h.arch_value("embedding_length")
-    k_len = h.arch_value("attention.key_length") or (
-        embd // heads if isinstance(embd, int) and isinstance(heads, int) and heads else None
-    )
-    v_len = h.arch_value("attention.value_length") or k_len
-    if not (
-        isinstance(layers, int)
-        and isinstance(kv_heads, int)
-        and isinstance(k_len, int)
-        and isinstance(v_len, int)
-    ):
-        return None
-    return round(layers * kv_heads * (k_len + v_len) * bytes_per_element)
-
-
-def _check_fits(h: GGUFHeader, n_ctx: int, bytes_per_element: float, model: str) -> None:
-    """Refuse a CPU load whose weights and KV cache cannot fit in the free RAM, before llama.cpp
-    allocates (it would grow the process until the machine swaps or kills it)."""
-    bpt = _kv_bytes_per_token(h, bytes_per_element)
-    free = available_ram_bytes()
-    if bpt is None or not free:
-        return
-    kv = bpt * n_ctx
-    need = kv + (h.tensor_bytes or 0)
-    if need <= free:
-        return
-    gib = 1 << 30
-    fit = max(0, (free - (h.tensor_bytes or 0)) // bpt)
-    raise OutOfMemory(
-        f"{model!r} at a context of {n_ctx} needs {need / gib:.1f} GiB ({kv / gib:.1f} GiB of KV "
-        f"cache at {bpt} bytes/token, {(h.tensor_bytes or 0) / gib:.1f} GiB of weights) but "
-        f"{free / gib:.1f} GiB of RAM is free; use a context of at most {fit} tokens, "
-        "kv_cache_type='q8_0', or skip_memory_check=True to try anyway"
-    )
-
-
-def _load_error(exc: Exception, log: str, header: GGUFHeader, model: str) -> Exception:
-    detail = log.strip().splitlines()[-3:] if log.strip() else [str(exc)]
-    why = " | ".join(line.strip() for line in detail)
-    lower = (log + str(exc)).lower()
-    if "unknown model architecture" in lower:
-        return ModelFormatError(
-            f"this llama.cpp build does not support the architecture {header.architecture!r} of "
-            f"{model!r}; upgrade llama-cpp-python or use another backend ({why})"
-        )
-    if any(
-        s in lower
-        for s in ("failed to allocate", "out of memory", "unable to allocate", "cudamalloc", "bad_alloc")
-    ):
-        return OutOfMemory(
-            f"llama.cpp could not allocate memory for {model!r} ({why}); use a smaller context "
-            "length, fewer GPU layers (n_gpu_layers) or kv_cache_type='q8_0'"
-        )
-    if "failed to create llama_context" in lower:
-        return OutOfMemory(
-            f"llama.cpp could not create a context for {model!r} ({why}); most often the KV cache "
-            "does not fit: use a smaller context length or kv_cache_type='q8_0'"
-        )
-    return ModelLoadError(f"llama.cpp failed to load {model!r}: {why}")
-
-
-def _eval_error(exc: Exception) -> Exception:
-    text = str(exc)
-    if "returned 1" in text or "kv" in text.lower():
-        return OutOfMemory(f"llama.cpp found no room in the KV cache ({text}); use a larger context")
-    from unillm._errors import GenerationError
-
-    return GenerationError(f"llama.cpp failed to evaluate the prompt: {text}")
-
-
-@contextmanager
-def _no_chat_handlers(llama_cpp: Any) -> Iterator[None]:
-    """Keep ``Llama()`` from compiling the GGUF's chat templates into chat handlers unillm never
-    uses: llama-cpp-python compiles them in an environment that folds constant expressions, so a
-    template like ``{{ 10 ** (10 ** 10) }}`` in a downloaded file would hang the load. unillm
-    renders templates itself, bounded (unillm._chat). Swapped only while ``Llama()`` runs, under
-    ``_LlamaLog``'s lock, which serializes loads."""
-    fmt = llama_cpp.llama_chat_format
-    real = fmt.Jinja2ChatFormatter
-
-    class _Unused:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def to_chat_handler(self) -> Any:
-            def refuse(*args: Any, **kwargs: Any) -> Any:
-                raise RuntimeError("unillm renders chat templates itself; use engine.chat()")
-
-            return refuse
-
-    fmt.Jinja2ChatFormatter = _Unused
-    try:
-        yield
-    finally:
-        fmt.Jinja2ChatFormatter = real
-
-
-class _LlamaLog:
-    """Collect llama.cpp's log lines while loading, so load errors can say what llama.cpp said."""
-
-    _lock = threading.Lock()
-
-    def __init__(self, llama_cpp: Any) -> None:
-        self._lc = llama_cpp
-        self._lines: list[str] = []
-
-    def __enter__(self) -> _LlamaLog:
-        import ctypes
-
-        self._lock.acquire()
-        lines = self._lines
-        from llama_cpp import _logger
-
-        self._forward = _logger.llama_log_callback
-
-        @self._lc.llama_log_callback
-        def collect(level: int, text: bytes, user_data: Any) -> None:
-            lines.append(text.decode("utf-8", "replace"))
-            self._forward(level, text, user_data)
-
-        self._callback = collect  # keep the C callback alive while installed
-        self._lc.llama_log_set(collect, ctypes.c_void_p(0))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import ctypes
-
-        self._lc.llama_log_set(self._forward, ctypes.c_void_p(0))
-        self._lock.release()
-
-    def text(self) -> str:
-        return "".join(self._lines)
