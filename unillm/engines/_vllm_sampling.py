@@ -1,0 +1,94 @@
+"""The vLLM backend's translation of one request, both ways: unillm's ``SamplingParams`` into vLLM's
+(the end-of-sequence set, structured output from ``response_format``), and each ``RequestOutput``
+vLLM streams back into a raw piece with its usage and timings. vllm is never imported here: its
+classes come in with the modules the backend imported at load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from unillm._errors import ConfigError
+
+if TYPE_CHECKING:
+    from unillm.backend import Request, SamplingParams
+    from unillm.engines._vllm_start import VLLMModules
+
+__all__ = ["Piece", "json_schema", "piece", "sampling_params"]
+
+Piece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+
+
+def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: frozenset[int]) -> Any:
+    """vLLM's SamplingParams for ``params``, built eagerly so a bad value fails at the call.
+
+    vLLM's own end-of-sequence handling (the tokenizer's EOS plus generation_config's) is turned off
+    with ``ignore_eos`` and the declared set (``eos_token_ids``) passed as stop ids instead: vLLM
+    then stops on exactly that set (``check_stop``), min_tokens still masks it (stop ids join
+    ``all_stop_token_ids``), and the final output names the id that stopped it (``stop_reason``),
+    which ``piece`` drops."""
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids |= eos_token_ids
+    structured = None
+    if params.response_format is not None:
+        structured = v.StructuredOutputsParams(json=json_schema(params.response_format))
+    try:
+        return v.SamplingParams(
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k or 0,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            seed=params.seed,
+            stop=list(params.stop) or None,
+            stop_token_ids=sorted(stop_ids) or None,
+            ignore_eos=True,
+            logprobs=0 if params.logprobs is not None else None,
+            logit_bias=params.logit_bias,
+            structured_outputs=structured,
+            output_kind=v.RequestOutputKind.DELTA,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"vLLM refuses these sampling parameters: {exc}") from exc
+
+
+def json_schema(response_format: Mapping[str, Any]) -> Any:
+    """OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``, or a bare schema."""
+    if response_format.get("type") == "json_schema":
+        inner = response_format.get("json_schema") or {}
+        return inner.get("schema", inner)
+    if response_format.get("type") == "json_object":
+        return {"type": "object"}
+    return dict(response_format)
+
+
+def piece(out: Any, req: Request) -> Piece | None:
+    """One vLLM ``RequestOutput`` (a delta) as a raw piece; the last one fills ``req``."""
+    o = out.outputs[0]
+    ids = tuple(o.token_ids)
+    lp = None
+    if o.logprobs:
+        lp = tuple(step[t].logprob for step, t in zip(o.logprobs, ids, strict=False))
+    if out.finished and isinstance(o.stop_reason, int) and ids and ids[-1] == o.stop_reason:
+        # The stop token (an EOS of the set or a user's stop id) ends the completion without
+        # being part of it, as on every backend; vLLM already left its text out.
+        ids = ids[:-1]
+        lp = lp[: len(ids)] if lp is not None else None
+    if out.finished:
+        req.finish_reason = "length" if o.finish_reason == "length" else "stop"
+        if out.prompt_token_ids:
+            req.prompt_tokens = len(out.prompt_token_ids)
+        req.cached_tokens = out.num_cached_tokens
+        m = out.metrics
+        if m is not None and m.first_token_ts:
+            req.queue_s = max(0.0, m.scheduled_ts - m.queued_ts)
+            req.prefill_s = max(0.0, m.first_token_ts - m.scheduled_ts)
+            req.decode_s = max(0.0, m.last_token_ts - m.first_token_ts)
+    if not ids and not o.text:
+        return None
+    return o.text, ids, lp
