@@ -68,15 +68,13 @@ class Facts:
 
     @functools.cached_property
     def gguf_header(self) -> GGUFHeader:
-        """The GGUF header of ``path`` (a .gguf file, or the one in a model directory), kept from
-        inspection when ``model`` was read from it. Raises what ``read_gguf_header`` raises."""
-        kept = getattr(self.__dict__.get("model"), "header", None)
-        if kept is not None:
-            return kept  # type: ignore[no-any-return]
+        """The whole GGUF header of ``path`` (a .gguf file, or the one in a model directory):
+        every key, the token ids and chat template included, which inspection's lazy read of the
+        same file skips past the vocabulary. Raises what ``read_gguf_header`` raises."""
         from unillm._inspect import read_gguf_header
         from unillm._model_path import gguf_in
 
-        return read_gguf_header(gguf_in(self.path) or self.path, lazy=True)
+        return read_gguf_header(gguf_in(self.path) or self.path)
 
     @functools.cached_property
     def hardware(self) -> Hardware | None:
