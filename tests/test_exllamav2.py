@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -29,16 +30,24 @@ from unillm import (
     ModelNotFound,
     OutOfMemory,
     SamplingParams,
+    UnillmWarning,
+    Workload,
+    _common,
     auto_engine,
+    inspect_model,
+    load_hardware,
+    plan,
 )
-from unillm import _common
-from unillm.engines.exllamav2 import ASSUME_GPU_ENV, ExLlamaV2Engine, _template
+from unillm.backend import Cost, EngineConfig, Facts, kv_dtype
+from unillm.engines._exllamav2_load import template as _template
+from unillm.engines.exllamav2 import ASSUME_GPU_ENV, ExLlamaV2Engine
 from unillm.testing import TinyModel, check_engine
 from unillm.testing._tiny import CHAT_TEMPLATE
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = Path(__file__).resolve().parent / "fake_exllamav2"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+LAPTOP = Path(__file__).resolve().parent / "profiles" / "laptop-8gb-cpu.json"
 PROMPT = "The quick brown fox"
 
 
@@ -71,6 +80,9 @@ def fake(exl: ModuleType) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def engine(tiny: TinyModel) -> Iterator[ExLlamaV2Engine]:
     with ExLlamaV2Engine(model=str(tiny.hf_dir), context_length=512, options={"seed": 1234}) as e:
+        # what the selector sees for these options is what the loaded engine does
+        assert e.capabilities == ExLlamaV2Engine.capabilities_for(e.options)
+        assert e.capabilities.batching and e._generator.paged
         yield e
 
 
@@ -230,15 +242,62 @@ def test_sequence_length_chunk_size_and_batch_reach_the_generator(tiny: TinyMode
         load(tiny, max_batch_size=256, max_chunk_size=256)
 
 
+def test_capabilities_follow_the_options_and_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paged mode (batching) when asked, or, unset, when a flash-attn exllamav2 pages with is
+    installed: found without importing it (the fake's stand-in beside the fake exllamav2)."""
+    import importlib.util
+
+    caps = ExLlamaV2Engine.capabilities_for
+    assert caps(ExLlamaV2Engine.Options()).batching is True
+    assert caps(ExLlamaV2Engine.Options(paged=True)).batching is True
+    assert caps(ExLlamaV2Engine.Options(paged=False)).batching is False
+    assert "flash_attn" not in sys.modules  # looked up, never imported
+    monkeypatch.setenv("EXLLAMA_NO_FLASH_ATTN", "1")  # exllamav2's switch
+    assert caps(ExLlamaV2Engine.Options()).batching is False
+    monkeypatch.delenv("EXLLAMA_NO_FLASH_ATTN")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
+    assert caps(ExLlamaV2Engine.Options()).batching is False
+
+
+def hide_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without flash-attn: not installed, and exllamav2 found none."""
+    import importlib.util
+
+    from exllamav2 import attn
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
+    monkeypatch.setattr(attn, "has_flash_attn_with_paged", False)
+
+
 def test_unpaged_without_flash_attn(tiny: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    hide_flash_attn(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no surprise: the options said unpaged
+        e = load(tiny)
+    with e:
+        assert not e._generator.paged and e._generator.max_batch_size == 1
+        assert not e.capabilities.batching  # one request at a time, serialized by the base class
+        assert e.capabilities == ExLlamaV2Engine.capabilities_for(e.options)
+        assert list(e.generate(PROMPT, GREEDY).token_ids) == raw_greedy(tiny, PROMPT, 24, paged=False)
+        assert e.kv_stats().block_size is None
+    with pytest.raises(ConfigError, match="flash-attn"):
+        load(tiny, paged=True)
+
+
+def test_flash_attn_exllamav2_cannot_page_with(tiny: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn is installed (so the options declared paged mode) but exllamav2 cannot page with
+    it: the load says so and the engine's capabilities say what it does."""
     from exllamav2 import attn
 
     monkeypatch.setattr(attn, "has_flash_attn_with_paged", False)
-    with load(tiny) as e:
-        assert not e._generator.paged and e._generator.max_batch_size == 1
-        assert not e.capabilities.batching  # one request at a time, serialized by the base class
-        assert list(e.generate(PROMPT, GREEDY).token_ids) == raw_greedy(tiny, PROMPT, 24, paged=False)
-        assert e.kv_stats().block_size is None
+    assert ExLlamaV2Engine.capabilities_for(ExLlamaV2Engine.Options()).batching
+    with pytest.warns(UnillmWarning, match="cannot use its paged attention"):
+        e = load(tiny)
+    with e:
+        assert not e._generator.paged and not e.capabilities.batching
+        assert len(e.generate(PROMPT, GREEDY).token_ids) == 24
     with pytest.raises(ConfigError, match="flash-attn"):
         load(tiny, paged=True)
 
@@ -640,3 +699,61 @@ def test_gpu_check_script_runs_against_the_fake(tiny: TinyModel) -> None:
     assert "all checks passed" in out.stdout
     for check in ("greedy parity", "streaming", "concurrent jobs", "kv_stats"):
         assert check in out.stdout
+
+
+# ---- what the backend tells the selector, and what it is told ----
+
+
+@pytest.mark.parametrize("cache_type", ["fp16", "q8", "q4"])
+def test_kv_bytes_per_token_is_the_planners(tiny: TinyModel, cache_type: str) -> None:
+    """One KV formula: the engine's bytes per token are the plan's for the same model and KV dtype."""
+    info = inspect_model(tiny.hf_dir)
+    wl = Workload(kv_cache_dtype=kv_dtype(cache_type))  # type: ignore[arg-type]
+    expected = plan(info, load_hardware(LAPTOP), wl).kv_bytes_per_token
+    with load(tiny, cache_type=cache_type, max_batch_size=2) as e:
+        assert e.kv_stats().bytes_per_token == expected
+
+
+def test_the_load_reads_the_facts_it_is_given(tiny: TinyModel) -> None:
+    """The model's format comes from ``engine.facts`` (what auto_engine read), not a second read."""
+    from dataclasses import replace
+
+    info = inspect_model(tiny.hf_dir)
+    e = ExLlamaV2Engine(model=str(tiny.hf_dir), context_length=512)
+    e.facts = Facts(str(tiny.hf_dir), model=replace(info, format="awq"), hardware=None)
+    with pytest.raises(ModelFormatError, match="is awq"):
+        e.load()
+    e.facts = Facts(str(tiny.hf_dir), model=None, hardware=None)  # unillm could not read it
+    with pytest.raises(ModelFormatError, match="not a model unillm can read"):
+        e.load()
+
+
+def test_fallback_steps() -> None:
+    facts = Facts("m", model=None, hardware=None)
+
+    def steps(**options: Any) -> list[Any]:
+        return list(ExLlamaV2Engine.fallbacks(EngineConfig(model="m", options=options), facts))
+
+    assert [f.label for f in steps()] == ["cache_type=q8", "cache_type=q4"]
+    assert [f.label for f in steps(cache_type="q8")] == ["cache_type=q4"]
+    assert steps(cache_type="q4") == []
+    q8, q4 = steps()
+    assert (q8.cost, q8.options, q8.kv_cache_dtype) == (Cost.QUALITY, {"cache_type": "q8"}, "q8")
+    assert (q4.cost, q4.options, q4.kv_cache_dtype) == (Cost.QUALITY, {"cache_type": "q4"}, "q4")
+    with_context = ExLlamaV2Engine.fallbacks(EngineConfig(model="m", context_length=4096), facts)
+    assert [f.label for f in with_context] == [
+        "context_length=2048",
+        "context_length=1024",
+        "cache_type=q8",
+        "cache_type=q4",
+    ]
+
+
+def test_probe_build_delegates_to_the_builds_probe() -> None:
+    from unillm.engines import _builds
+
+    hw = load_hardware(LAPTOP)
+    findings: list[str] = []
+    build = ExLlamaV2Engine.probe_build(hw, findings)
+    expected: list[str] = []
+    assert build == _builds.exllamav2(hw, expected) and findings == expected

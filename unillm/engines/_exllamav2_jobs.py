@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from unillm._worker import Live, StepWorker
+from unillm.backend import Live, StepWorker
 
-__all__ = ["JobRunner", "Live"]
+__all__ = ["JobRunner", "Live", "job_done"]
+
+
+def job_done(r: dict[str, Any]) -> bool:
+    """A job's result dict that ends the job (``StepWorker.events``' ``last``)."""
+    return bool(r["eos"])
 
 
 class JobRunner(StepWorker):

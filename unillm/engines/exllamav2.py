@@ -15,29 +15,53 @@ import gc
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from unillm._engine import Engine, Request
 from unillm._eos import eos_from_hf_dir
 from unillm._errors import (
     BackendUnavailable,
     ConfigError,
     ContextLengthExceeded,
     GenerationError,
-    ModelFormatError,
-    ModelLoadError,
-    OutOfMemory,
-    UnillmError,
+    warn,
 )
-from unillm._inspect import detect_format
-from unillm._model_path import hf_dir_in
-from unillm._types import STANDARD_SAMPLING, Availability, Capabilities, KVStats, SamplingParams, Suitability
-from unillm._common import check_prompt, gpu_present, installed
-from unillm.engines._exllamav2_jobs import JobRunner
+from unillm.backend import (
+    STANDARD_SAMPLING,
+    Availability,
+    Capabilities,
+    Cost,
+    Engine,
+    EngineConfig,
+    Facts,
+    Fallback,
+    KVStats,
+    RawPiece,
+    Request,
+    SamplingParams,
+    Suitability,
+    check_prompt,
+    gpu_present,
+    installed,
+    kv_bytes_per_token,
+    kv_dtype,
+)
+from unillm.engines._exllamav2_jobs import JobRunner, job_done
+from unillm.engines._exllamav2_load import (
+    CACHE_CLASSES,
+    checked_dir,
+    generation_error,
+    load_error,
+    load_tokenizer,
+    load_weights,
+    model_config,
+    paged_attention_installed,
+    set_lengths,
+    template,
+)
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
 
@@ -51,16 +75,6 @@ ASSUME_GPU_ENV = "UNILLM_EXLLAMAV2_ASSUME_GPU"
 _DEFAULT_CONTEXT = 4096
 _PAGE = 256  # exllamav2's cache page; the cache holds whole pages
 _DRAFT_TOKENS = 4  # tokens a draft model proposes per step
-# KV bytes per layer, KV head and head dimension: K + V elements (fp16: 2 bytes; q8: 1 + 1; q6:
-# 1 + 0.5; q4: 0.5 + 0.5) plus, when quantized, fp16 scales per 32 elements of K and V (1/8 byte)
-_KV_BYTES = {"fp16": 4.0, "q8": 2.125, "q6": 1.625, "q4": 1.125}
-_CACHE_CLASSES = {
-    "fp16": "ExLlamaV2Cache",
-    "q8": "ExLlamaV2Cache_Q8",
-    "q6": "ExLlamaV2Cache_Q6",
-    "q4": "ExLlamaV2Cache_Q4",
-}
-_READS = ("exl2", "safetensors", "gptq")  # formats exllamav2 loads (gptq: 4-bit GPTQ checkpoints)
 
 
 # ---- options ----
@@ -103,7 +117,7 @@ class ExLlamaV2Options(BaseModel):
     paged: bool | None = Field(
         default=None,
         description="Paged attention (needs flash-attn >= 2.5.7), which batching requires; None: "
-        "on when exllamav2 found such a flash-attn.",
+        "on when such a flash-attn is installed (off, with a warning, if exllamav2 cannot use it).",
     )
     draft_model: str | None = Field(
         default=None,
@@ -143,12 +157,12 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
 
     @classmethod
     def available(cls) -> Availability:
-        if not _gpu_present():
+        if not gpu_present(ASSUME_GPU_ENV):
             return Availability(False, NO_GPU, INSTALL_HINT)
         return installed(("exllamav2", "exllamav2"), hint=INSTALL_HINT)
 
     @classmethod
-    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
+    def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
         fit = super().suitability(hardware, model, workload)
         if fit.blockers:
             return fit
@@ -157,11 +171,39 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             return Suitability(0.8, (*fit.reasons, "loads unquantized FP16/BF16 weights", why))
         return Suitability(fit.score, (*fit.reasons, why))
 
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        """Paged mode batches: ``paged=True``, or, left unset, when a flash-attn exllamav2 pages
+        with is installed (found without importing it)."""
+        paged = getattr(options, "paged", None)
+        if paged is None:
+            paged = paged_attention_installed()
+        return replace(cls.capabilities, batching=True) if paged else cls.capabilities
+
+    @classmethod
+    def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
+        """The base steps (a shorter context), then a quantized KV cache, which exllamav2
+        allocates whole at load: Q8 when the cache is FP16, then Q4 (exllamav2's Q4 cache keeps
+        close to FP16's quality, and costs less than a shorter context)."""
+        steps = [*super().fallbacks(config, facts)]
+        cache_type = config.options_for(cls.name).get("cache_type", "fp16")
+        if cache_type == "fp16":
+            steps.append(_cache_step("q8"))
+        if cache_type in ("fp16", "q8", "q6"):
+            steps.append(_cache_step("q4"))
+        return steps
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        from unillm.engines._builds import exllamav2  # CUDA or ROCm, from the installed wheel
+
+        return exllamav2(hardware, findings)
+
     # ---- load ----
 
     def _load(self) -> None:
         opts = self.options
-        path = _checked_dir(self.config.model, "model")
+        path = checked_dir(self.config.model, self.facts, "model")  # ModelNotFound / ModelFormatError
         avail = self.available()
         if not avail.available:
             raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
@@ -177,43 +219,48 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         except (ImportError, OSError, RuntimeError) as exc:  # its import builds a CUDA extension
             raise BackendUnavailable(self.name, f"exllamav2 failed to import: {exc}", INSTALL_HINT) from exc
 
-        config = _model_config(exl, path, "model")
+        config = model_config(exl, path, "model")
         n_ctx = opts.max_seq_len or self.config.context_length or min(config.max_seq_len, _DEFAULT_CONTEXT)
         draft_tokens = _DRAFT_TOKENS if opts.draft_model else 0
         have_paged = bool(getattr(attn, "has_flash_attn_with_paged", False)) and not config.no_flash_attn
-        paged = have_paged if opts.paged is None else opts.paged
+        paged = self.capabilities.batching  # what capabilities_for declared for these options
         if paged and not have_paged:
-            raise ConfigError(
-                "paged=True needs flash-attn >= 2.5.7 on a GPU that supports it; leave it unset"
+            if opts.paged:
+                raise ConfigError(
+                    "paged=True needs flash-attn >= 2.5.7 on a GPU that supports it; leave it unset"
+                )
+            why = "the model's config turns flash-attn off" if config.no_flash_attn else "it found none"
+            warn(
+                "flash-attn is installed, but exllamav2 cannot use its paged attention here "
+                f"({why}): running unpaged, one request at a time; load with paged=False to say so"
             )
+            paged = False
+            unpaged = opts.model_copy(update={"paged": False})
+            self.capabilities = type(self).capabilities_for(unpaged)  # type: ignore[misc]
         batch = opts.max_batch_size if paged else 1
-        _size(config, n_ctx + draft_tokens, opts.max_chunk_size)
+        set_lengths(config, n_ctx + draft_tokens, opts.max_chunk_size)
         if batch * 8 > config.max_batch_size * config.max_input_len:  # 8: exllamav2's max_q_size
             raise ConfigError(f"max_batch_size={batch} needs max_chunk_size >= {batch * 8}")
         want = opts.cache_size or n_ctx * batch
         cache_size = -(-max(want, n_ctx + draft_tokens) // _PAGE) * _PAGE
-        cache_cls = getattr(exl, _CACHE_CLASSES[opts.cache_type])
+        cache_cls = getattr(exl, CACHE_CLASSES[opts.cache_type])
 
-        model, cache = _load_weights(exl, config, cache_cls, cache_size, opts.gpu_split, "model")
+        model, cache = load_weights(exl, config, cache_cls, cache_size, opts.gpu_split, "model")
         loaded = [model]
         try:
             draft = draft_cache = None
             if opts.draft_model:
-                dconfig = _model_config(exl, _checked_dir(opts.draft_model, "draft model"), "draft model")
+                dpath = checked_dir(opts.draft_model, self.facts.for_path(opts.draft_model), "draft model")
+                dconfig = model_config(exl, dpath, "draft model")
                 if dconfig.vocab_size != config.vocab_size:
                     raise ConfigError(
                         f"the draft model's vocabulary ({dconfig.vocab_size}) differs from the model's "
                         f"({config.vocab_size}); speculative decoding needs the same tokenizer"
                     )
-                _size(dconfig, n_ctx + draft_tokens, opts.max_chunk_size)
-                draft, draft_cache = _load_weights(exl, dconfig, cache_cls, cache_size, None, "draft model")
+                set_lengths(dconfig, n_ctx + draft_tokens, opts.max_chunk_size)
+                draft, draft_cache = load_weights(exl, dconfig, cache_cls, cache_size, None, "draft model")
                 loaded.append(draft)
-            try:
-                tokenizer = exl.ExLlamaV2Tokenizer(config)
-            except (FileNotFoundError, ValueError, OSError) as exc:
-                raise ModelFormatError(
-                    f"exllamav2 cannot read the tokenizer of {str(path)!r}: {exc}"
-                ) from exc
+            tokenizer = load_tokenizer(exl, config, path)
             try:
                 generator = ExLlamaV2DynamicGenerator(
                     model=model,
@@ -227,7 +274,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                     num_draft_tokens=_DRAFT_TOKENS,
                 )
             except Exception as exc:
-                raise _load_error(exc, "generator", "cache", str(path)) from exc
+                raise load_error(exc, "generator", "cache", str(path)) from exc
         except BaseException:
             for m in loaded:
                 m.unload()
@@ -249,19 +296,15 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         self._eos = tuple(sorted(self.eos_token_ids))
         tok_cfg = tokenizer.tokenizer_config_dict or {}
         self._add_bos = bool(tok_cfg.get("add_bos_token", False))
-        self._template = _template(tok_cfg, path)
-        self._bpt = round(
-            config.num_hidden_layers
-            * config.num_key_value_heads
-            * config.head_dim
-            * _KV_BYTES[opts.cache_type]
+        self._template = template(tok_cfg, path)
+        # the one KV formula, for the cache exllamav2 allocated (its Q8/Q6/Q4 scales included)
+        self._bpt = kv_bytes_per_token(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_dtype(opts.cache_type)
         )
         self._stats_lock = threading.Lock()
         self._queries = 0
         self._hits = 0
         self._runner = JobRunner(generator)
-        if paged:
-            self.capabilities = replace(type(self).capabilities, batching=True)  # type: ignore[misc]
 
     # ---- stream ----
 
@@ -287,7 +330,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
 
     def _stream(
         self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
-    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+    ) -> Iterator[RawPiece]:
         ids, tensor = prepared
         req.prompt_tokens = len(ids)
         stops: list[int | str] = [*params.stop_token_ids, *(() if params.ignore_eos else self._eos)]
@@ -302,38 +345,31 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         )
         runner = self._runner  # close() drops the attribute while this stream may still run
         live = runner.submit(job)
-        finished = False
         try:
-            while True:
-                r = live.events.get()
-                if isinstance(r, BaseException):
-                    finished = True
-                    err = _generation_error(r)
-                    if err is r:
-                        raise r
-                    raise err from r
-                text: str = r.get("text", "")
-                out = tuple(r["token_ids"][0].tolist()) if "token_ids" in r else ()
-                if r["eos"]:
-                    finished = True
-                    reason = r.get("eos_reason")
-                    if reason == "stop_token":
-                        text, out = self._held_before_stop(r)
-                    req.finish_reason = "length" if reason == "max_new_tokens" else "stop"
-                    req.prompt_tokens = r.get("prompt_tokens", len(ids))
-                    req.cached_tokens = r.get("cached_tokens")
-                    req.prefill_s = r.get("time_prefill")
-                    req.decode_s = r.get("time_generate")
-                    with self._stats_lock:  # prompt tokens looked up, and those the cache held
-                        self._queries += req.prompt_tokens
-                        self._hits += req.cached_tokens or 0
-                if text or out:
-                    yield text, out, None
-                if finished:
-                    return
-        finally:
-            if not finished:
-                runner.cancel(live)
+            # the job's results up to the last one; leaving early cancels the job (frees its pages)
+            with closing(runner.events(live, last=job_done)) as events:  # type: ignore[type-var]
+                for r in events:
+                    text: str = r.get("text", "")
+                    out = tuple(r["token_ids"][0].tolist()) if "token_ids" in r else ()
+                    if r["eos"]:
+                        reason = r.get("eos_reason")
+                        if reason == "stop_token":
+                            text, out = self._held_before_stop(r)
+                        req.finish_reason = "length" if reason == "max_new_tokens" else "stop"
+                        req.prompt_tokens = r.get("prompt_tokens", len(ids))
+                        req.cached_tokens = r.get("cached_tokens")
+                        req.prefill_s = r.get("time_prefill")
+                        req.decode_s = r.get("time_generate")
+                        with self._stats_lock:  # prompt tokens looked up, and those the cache held
+                            self._queries += req.prompt_tokens
+                            self._hits += req.cached_tokens or 0
+                    if text or out:
+                        yield text, out, None
+        except Exception as exc:  # a failed step (the worker's), or a closed engine
+            err = generation_error(exc)
+            if err is exc:
+                raise
+            raise err from exc
 
     def _held_before_stop(self, r: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
         """Text exllamav2 still held (a partial stop string, an unfinished character) when a stop
@@ -426,104 +462,13 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             torch.cuda.empty_cache()
 
 
-# ---- error map ----
+# ---- helpers ----
 
 
-def _gpu_present() -> bool:
-    return gpu_present(ASSUME_GPU_ENV)
-
-
-def _checked_dir(model: str, what: str) -> Path:
-    """An EXL2 or HF model directory with what exllamav2 needs, checked before any heavy work."""
-    path = Path(model).expanduser()
-    hf = hf_dir_in(path)  # a directory holding the model's formats side by side: its HF one
-    if hf is not None:
-        path = hf
-        model = str(hf)
-    fmt = detect_format(model)  # ModelNotFound, ModelFormatError
-    if path.is_file():
-        raise ModelFormatError(
-            f"{model!r} is a file; ExLlamaV2 reads model directories (EXL2 or FP16/BF16 safetensors "
-            "with config.json and tokenizer.json). For a .gguf file use backend='llama.cpp'."
-        )
-    if fmt not in _READS:
-        raise ModelFormatError(f"the {what} {model!r} is {fmt}; ExLlamaV2 reads EXL2, GPTQ and FP16/BF16")
-    if not any(path.glob("*.safetensors")):
-        raise ModelFormatError(f"the {what} {model!r} has no .safetensors weights")
-    if not (path / "tokenizer.json").is_file():
-        raise ModelFormatError(f"the {what} {model!r} has no tokenizer.json, which exllamav2 needs")
-    return path
-
-
-def _model_config(exl: Any, path: Path, what: str) -> Any:
-    try:
-        config = exl.ExLlamaV2Config(str(path))  # reads config.json and indexes the weights
-        config.arch_compat_overrides(quiet=True)
-    except (AssertionError, ValueError, KeyError, TypeError, OSError) as exc:
-        raise ModelFormatError(f"exllamav2 cannot read the {what} {str(path)!r}: {exc!r}") from exc
-    return config
-
-
-def _size(config: Any, max_seq_len: int, chunk: int | None) -> None:
-    config.max_seq_len = max_seq_len
-    if chunk:
-        config.max_input_len = chunk
-        config.max_attention_size = chunk**2
-
-
-def _load_weights(
-    exl: Any, config: Any, cache_cls: Any, cache_size: int, gpu_split: list[float] | None, what: str
-) -> tuple[Any, Any]:
-    model = exl.ExLlamaV2(config)
-    stage = "weights"
-    try:
-        if gpu_split is None:  # autosplit: weights and cache fill each GPU in turn
-            stage = "weights and cache"
-            cache = cache_cls(model, max_seq_len=cache_size, lazy=True)
-            model.load_autosplit(cache, progress=False)
-        else:
-            model.load(gpu_split=list(gpu_split), progress=False)
-            stage = "cache"
-            cache = cache_cls(model, max_seq_len=cache_size)  # allocated now, beside its layers
-    except Exception as exc:
-        model.unload()
-        raise _load_error(exc, what, stage, str(config.model_dir)) from exc
-    return model, cache
-
-
-def _is_oom(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "insufficient vram" in text
-
-
-def _load_error(exc: Exception, what: str, stage: str, model: str) -> Exception:
-    if isinstance(exc, UnillmError):
-        return exc
-    if _is_oom(exc):
-        fix = {
-            "cache": "lower max_seq_len or cache_size, or use cache_type='q8' or 'q4'",
-            "weights": "use a smaller quantization or give more GPUs room in gpu_split",
-        }.get(stage, "lower cache_size or max_seq_len, use cache_type='q4', or a smaller quantization")
-        return OutOfMemory(f"the {what} of {model!r} does not fit in GPU memory ({stage}: {exc}); {fix}")
-    return ModelLoadError(f"exllamav2 failed to load the {what} of {model!r}: {exc!r}")
-
-
-def _generation_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, UnillmError):
-        return exc
-    if _is_oom(exc):
-        return OutOfMemory(f"exllamav2 ran out of GPU memory while generating: {exc}")
-    return GenerationError(f"exllamav2 failed while generating: {exc!r}")
-
-
-def _template(tok_cfg: dict[str, Any], path: Path) -> str | None:
-    """The HF chat template: tokenizer_config.json's (a string, or named templates), else
-    chat_template.jinja beside it."""
-    template = tok_cfg.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if isinstance(template, str) and template:
-        return template
-    jinja = path / "chat_template.jinja"
-    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+def _cache_step(cache_type: str) -> Fallback:
+    return Fallback(
+        f"cache_type={cache_type}",
+        Cost.QUALITY,
+        options={"cache_type": cache_type},
+        kv_cache_dtype=cache_type,
+    )
