@@ -15,7 +15,7 @@ from unillm._model_path import hf_dir_in
 from unillm.backend import kv_dtype
 
 if TYPE_CHECKING:
-    from unillm._inspect import ModelInfo
+    from unillm import ModelInfo
     from unillm.backend import Facts
 
 __all__ = [
