@@ -33,7 +33,11 @@ from unillm import (
     ModelFormatError,
     OutOfMemory,
     SamplingParams,
+    Workload,
+    inspect_model,
     load_engine,
+    load_hardware,
+    plan,
 )
 from unillm.testing import TinyModel, check_closed, check_engine
 
@@ -52,6 +56,8 @@ OPTIONS: dict[str, Any] = {
     "seed": 0,
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+F32_KV = Workload(kv_cache_dtype="f32")
+PROFILES = Path(__file__).parent / "profiles"
 PROMPTS = [
     "The quick brown fox",
     "Once upon a time",
@@ -322,6 +328,8 @@ def test_kv_stats_describe_vllms_cache(engine: Any, tiny: TinyModel) -> None:
     kv = engine.kv_stats()
     spec = tiny.spec
     assert kv.bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # f32
+    planned = plan(inspect_model(tiny.hf_dir), load_hardware(PROFILES / "laptop-8gb-cpu.json"), F32_KV)
+    assert kv.bytes_per_token == planned.kv_bytes_per_token  # the planner's formula
     assert kv.block_size and kv.total_blocks
     assert kv.capacity_tokens == kv.total_blocks * kv.block_size
     assert kv.capacity_bytes is not None and kv.capacity_bytes <= OPTIONS["kv_cache_memory_bytes"]
