@@ -122,8 +122,8 @@ class VLLMEngine(Engine[VLLMOptions]):
         return Availability(True, version=version)
 
     @classmethod
-    def suitability(cls, hardware: Any, model: Any, workload: Any) -> Suitability:
-        fit = super().suitability(hardware, model, workload)
+    def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
+        fit = super().suitability(hardware, model, workload, plan)
         if fit.blockers:
             return fit
         reasons = [
