@@ -330,8 +330,8 @@ def test_the_answer_does_not_depend_on_the_read_block(
 ) -> None:
     """Every length prefix and value straddles a block boundary somewhere at these sizes."""
     want = read_gguf_header(tiny.gguf_path, keep_arrays=True)
-    monkeypatch.setattr(_inspect, "_FIRST_BLOCK", block)
-    monkeypatch.setattr(_inspect, "_MAX_BLOCK", block)
+    monkeypatch.setattr(_inspect._gguf_reader, "_FIRST_BLOCK", block)
+    monkeypatch.setattr(_inspect._gguf_reader, "_MAX_BLOCK", block)
     for keep in (True, False):
         got = read_gguf_header(tiny.gguf_path, keep_arrays=keep)
         assert (got.data_offset, got.data_end, got.parameters) == (
@@ -480,7 +480,7 @@ def test_every_occurrence_is_found_once_whatever_the_scan_block(
         data[at : at + len(needle)] = needle
     path = tmp_path / "blob"
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(_inspect, "_SCAN_BLOCK", block)
+    monkeypatch.setattr(_inspect._gguf_lazy, "_SCAN_BLOCK", block)
     with _inspect._open(path) as f:
         r = _inspect._Reader(f, str(path), len(data))
         assert list(_inspect._positions(r, needle, 0, len(data))) == want
@@ -498,7 +498,7 @@ def test_a_lazy_read_does_not_depend_on_the_read_block(
         )
     )
     want = read_gguf_header(path, lazy=True)
-    monkeypatch.setattr(_inspect, "_FIRST_BLOCK", block)
-    monkeypatch.setattr(_inspect, "_MAX_BLOCK", block)
-    monkeypatch.setattr(_inspect, "_SCAN_BLOCK", max(block, 32))
+    monkeypatch.setattr(_inspect._gguf_reader, "_FIRST_BLOCK", block)
+    monkeypatch.setattr(_inspect._gguf_reader, "_MAX_BLOCK", block)
+    monkeypatch.setattr(_inspect._gguf_lazy, "_SCAN_BLOCK", max(block, 32))
     assert read_gguf_header(path, lazy=True) == want

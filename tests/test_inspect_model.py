@@ -336,7 +336,7 @@ def test_lazy_inspection_of_the_tiny_model_agrees_with_the_full_read(
     """With the threshold under its 512 tokens, the tiny model (general.file_type first) is
     inspected without its vocabulary and tensor infos: its 1.7 MB of weights dwarf the 12 kB of
     header, so the estimates are close."""
-    monkeypatch.setattr(_inspect, "_LAZY_STRINGS", 100)
+    monkeypatch.setattr(_inspect._gguf_reader, "_LAZY_STRINGS", 100)
     assert read_gguf_header(tiny.gguf_path, lazy=True).unread is not None
     lazy, full = lazy_and_full(tiny.gguf_path)
     assert lazy.estimated

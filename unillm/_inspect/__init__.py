@@ -1,0 +1,84 @@
+"""What a model is, read from headers only (never the weights).
+
+``detect_format`` routes a path to a backend; ``inspect_model`` reads GGUF metadata and tensor
+infos, ``config.json`` and safetensors headers into a ``ModelInfo``. Every path and file is
+untrusted: only regular files are opened (a FIFO or device is refused without blocking), each
+length, count and shape is checked before it is used, the work is bounded by caps that real models
+stay far below, and whatever is corrupt, hostile or unreadable ends in ``ModelFormatError``
+(``ModelNotFound`` only when nothing is there). The cost depends on the header, never on the size
+of the weights.
+
+One layer a module, each importing only those below it (never this package): ``_files`` (paths
+and bounded reads), ``_json`` (bounded JSON), ``_gguf_reader`` (the GGUF layout, its caps and the
+block reader), ``_gguf_lazy`` (a lazy read's search for the header's tail past the vocabulary),
+``_gguf`` (``read_gguf_header``), ``_format`` (``detect_format``), ``_model`` (``ModelInfo``),
+``_gguf_info``, ``_safetensors`` and ``_hf`` (a GGUF model or a Hugging Face directory into a
+``ModelInfo``) and ``_cache`` (a path or cached repo id to a local model: ``resolve_model_dir``,
+``read_model_config``). A cap is patched in the module that defines it
+(``unillm._inspect._gguf_reader._LAZY_STRINGS``), not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace as _replace
+from pathlib import Path
+
+from unillm._inspect._cache import _resolve, read_model_config, resolve_model_dir
+from unillm._inspect._files import _kind, _listing
+from unillm._inspect._files import _open as _open
+from unillm._inspect._format import _file_format, detect_format
+from unillm._inspect._gguf import read_gguf_header
+from unillm._inspect._gguf_info import _inspect_gguf, _split_stem
+from unillm._inspect._gguf_info import _lazy_enough as _lazy_enough
+from unillm._inspect._gguf_lazy import _positions as _positions
+from unillm._inspect._gguf_reader import GGML_BLOCKS as GGML_BLOCKS
+from unillm._inspect._gguf_reader import GGML_TYPE_NAMES as GGML_TYPE_NAMES
+from unillm._inspect._gguf_reader import GGUF_FILE_TYPES as GGUF_FILE_TYPES
+from unillm._inspect._gguf_reader import GGUF_MAGIC as GGUF_MAGIC
+from unillm._inspect._gguf_reader import GGUFHeader
+from unillm._inspect._gguf_reader import _Reader as _Reader
+from unillm._inspect._hf import _inspect_hf
+from unillm._inspect._model import ModelInfo
+
+__all__ = [
+    "GGUFHeader",
+    "ModelInfo",
+    "detect_format",
+    "inspect_model",
+    "read_gguf_header",
+    "read_model_config",
+    "resolve_model_dir",
+]
+
+# ---- inspect_model ---------------------------------------------------------------------------
+
+
+def inspect_model(path_or_id: str | Path) -> ModelInfo:
+    """Inspect a model from its headers (GGUF metadata, config.json, safetensors headers).
+
+    ``path_or_id`` is a ``.gguf`` file (any part of a split ``-0000N-of-0000M.gguf`` set), a
+    ``.safetensors`` file, a model directory, or a Hugging Face repo id already in the local cache
+    (never downloaded). Reads headers only: the cost does not grow with the size of the weights.
+    Raises ``ModelNotFound`` for a missing path or uncached id and ``ModelFormatError`` for
+    anything corrupt, hostile, unreadable or not a model.
+    """
+    p = _resolve(path_or_id)
+    if _kind(p) == "file":
+        if p.suffix == ".safetensors":
+            if _kind(p.parent / "config.json") == "file":
+                return _inspect_hf(p.parent)
+            return _inspect_hf(p.parent, files=[p], config={})
+        _file_format(p)  # the magic check and its message
+        return _inspect_gguf(p)
+    if _kind(p / "config.json") == "file":
+        return _inspect_hf(p)
+    ggufs = _listing(p, ".gguf")
+    models = [g for g in ggufs if not g.name.lower().startswith("mmproj")]
+    if models and len({_split_stem(g) for g in models}) == 1:
+        info = _inspect_gguf(models[0])
+        if len(models) < len(ggufs):  # a vision projector next to the language model
+            return _replace(info, multimodal=True)
+        return info
+    if not ggufs and _listing(p, ".safetensors"):
+        return _inspect_hf(p, config={})
+    return ModelInfo(str(p), detect_format(p))  # raises the directory's ModelFormatError

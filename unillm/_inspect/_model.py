@@ -1,0 +1,90 @@
+"""``ModelInfo``, what inspection returns, and the checks that turn untrusted numbers into its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from unillm._inspect._gguf_reader import _SMALL_ARRAY
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model is, read from headers only. None means the files do not say.
+
+    ``quantization`` names the scheme as its engine does ("Q4_K_M", "awq", "gptq", "fp8", "exl2",
+    "mlx-4bit", or the dtype "bf16"/"f16"/"f32" for unquantized weights); ``bits_per_weight`` is
+    the average over all weights including scales. ``parameters`` counts all weights;
+    ``active_parameters`` those used per token (differs for MoE). ``group_size`` is the
+    quantization group (weights per scale) where the files say it.
+
+    ``estimated`` names the fields derived rather than read. A GGUF whose general.file_type comes
+    before its vocabulary (convert_hf_to_gguf's layout) is inspected without reading the
+    vocabulary's strings or the tensor infos after them: ``weights_bytes`` is then an upper bound,
+    the file's size less the bytes the header takes at the least (over by at most the header bytes
+    not read and the alignment padding: a few MB for a 150k-token vocabulary), and
+    ``parameters``, ``active_parameters`` and ``bits_per_weight`` follow from it and the usual bits
+    per weight of the file type (``unillm._plan.BITS_PER_WEIGHT``).
+    """
+
+    path: str
+    format: str
+    architecture: str | None = None
+    quantization: str | None = None
+    bits_per_weight: float | None = None
+    parameters: int | None = None
+    active_parameters: int | None = None
+    weights_bytes: int | None = None
+    layers: int | None = None
+    hidden_size: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    context_length: int | None = None
+    vocab_size: int | None = None
+    experts: int | None = None
+    experts_per_token: int | None = None
+    multimodal: bool = False
+    hybrid_attention: bool = False
+    files: tuple[str, ...] = ()
+    group_size: int | None = None
+    estimated: tuple[str, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.experts and self.experts > 1)
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> int | None:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element; None if unknown."""
+        if self.layers is None or self.kv_heads is None or self.head_dim is None:
+            return None
+        return round(2 * self.layers * self.kv_heads * self.head_dim * bytes_per_element)
+
+
+_MAX_INT = 1 << 48  # a config integer beyond this is junk, not a model dimension
+
+
+def _int(value: Any) -> int | None:
+    """A count from untrusted metadata: a sane non-negative int (the max of a per-layer list)."""
+    if isinstance(value, list):
+        ints = [x for x in value[:_SMALL_ARRAY] if not isinstance(x, (list, dict)) and _int(x) is not None]
+        return max(ints) if ints else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_INT:
+        return value
+    return None
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 64:
+        return float(value)
+    return None
+
+
+def _bpw(nbytes: int | None, params: int | None) -> float | None:
+    return round(nbytes * 8 / params, 4) if nbytes is not None and params else None
+
+
+def _active(params: int | None, expert_params: int, experts: int | None, used: int | None) -> int | None:
+    if params is None or not expert_params or not experts or experts <= 1 or not used:
+        return params
+    return params - expert_params + expert_params * min(used, experts) // experts
