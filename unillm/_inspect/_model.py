@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unillm._inspect._gguf_reader import _SMALL_ARRAY
+from unillm._kv import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,12 @@ class ModelInfo:
     def is_moe(self) -> bool:
         return bool(self.experts and self.experts > 1)
 
-    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> int | None:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element; None if unknown."""
+    def kv_bytes_per_token(self, dtype: str | int = "f16") -> int | None:
+        """KV cache bytes per token for a cache of ``dtype`` (any spelling ``unillm.backend.kv_dtype``
+        takes), by the one KV formula (unillm/_kv.py); None when the shape is unknown."""
         if self.layers is None or self.kv_heads is None or self.head_dim is None:
             return None
-        return round(2 * self.layers * self.kv_heads * self.head_dim * bytes_per_element)
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype)
 
 
 _MAX_INT = 1 << 48  # a config integer beyond this is junk, not a model dimension
