@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from unillm._checks import check_text, check_token_ids
 from unillm._errors import EngineClosed, GenerationError
@@ -31,8 +31,8 @@ GUARDED = ("tokenize", "detokenize", "kv_stats", "reset")
 class Lifetime:
     """Loaded or not, threads inside, streams to clean up; ``close()`` and the gate."""
 
-    name: str
-    capabilities: Capabilities
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]  # an Engine sets its own per instance (capabilities_for)
     vocab_size: int | None
 
     def __init__(self) -> None:
