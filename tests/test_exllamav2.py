@@ -686,7 +686,7 @@ def test_gpu_check_script_runs_against_the_fake(tiny: TinyModel) -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(FAKE), str(ROOT)]),
         ASSUME_GPU_ENV: "1",
-        "FAKE_EXLLAMAV2_STEP_SECONDS": "0.001",  # so that the 8 concurrent requests meet in a batch
+        "FAKE_EXLLAMAV2_STEP_SECONDS": "0.01",  # so the 8 concurrent requests meet in a batch, under load too
     }
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_check_exllamav2.py"), str(tiny.hf_dir)],
