@@ -30,7 +30,7 @@ from unillm._inspect import ModelInfo, inspect_model
 from unillm._model_path import model_formats
 from unillm._plan import Plan, Workload, plan
 from unillm._plugins import Registry, default_registry
-from unillm._select import Candidate, Selection, select
+from unillm._select import Candidate, Selection, _size, select
 from unillm._types import Fallback, normalize_name
 
 if TYPE_CHECKING:
@@ -218,8 +218,8 @@ def _load_walking_down(
                 step_plan = _plan(info, hardware, wl)
                 if left and step_plan is not None and not step_plan.fits:
                     selection.steps.append(
-                        f"{cls.name}: skipped {step.label}: the plan needs {_gib(step_plan.total_bytes)} "
-                        f"and finds {_gib(step_plan.total_bytes + step_plan.headroom_bytes)}"
+                        f"{cls.name}: skipped {step.label}: the plan needs {_size(step_plan.total_bytes)} "
+                        f"and finds {_size(step_plan.total_bytes + step_plan.headroom_bytes)}"
                     )
                     continue
                 break
@@ -248,10 +248,6 @@ def _apply(cls: type[Engine[Any]], cfg: EngineConfig, step: Fallback) -> EngineC
         tables[key] = {**tables.get(key, {}), **step.options}
         update["backend_options"] = tables
     return cfg.model_copy(update=update)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _inspect_all(path: str) -> list[ModelInfo]:

@@ -14,22 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from unillm.backend import EngineBuild
+from unillm.engines._vllm_build import dist_version as _version
+from unillm.engines._vllm_build import vllm_build
 
 if TYPE_CHECKING:
     from unillm._hardware import Hardware
 
 __all__ = ["exllamav2", "llama_cpp_devices", "llamacpp", "mlx", "vllm"]
-
-
-def _version(*dists: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in dists:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
 
 
 def _package_dir(module: str) -> Path | None:
@@ -134,8 +125,6 @@ def exllamav2(hardware: Hardware, findings: list[str]) -> EngineBuild | None:
 
 def _vllm_build() -> tuple[str | None, bool]:
     """The installed vLLM's version, and whether it is the CPU build: the vLLM backend's rule."""
-    from unillm.engines._vllm_build import vllm_build
-
     return vllm_build()
 
 

