@@ -43,7 +43,7 @@ def gguf_in(path: str | Path) -> Path | None:
             return p if p.suffix == ".gguf" else None
     except OSError:
         return None
-    ggufs = [e for e in _entries(p) if e.suffix == ".gguf" and _is_file(e)]
+    ggufs = [e for e in _entries(p) if e.suffix == ".gguf" and is_file(e)]
     whole = [e for e in ggufs if not _SPLIT.fullmatch(e.name)]
     firsts = [e for e in ggufs if (m := _SPLIT.fullmatch(e.name)) and int(m["no"]) == 1]
     models = whole + firsts
@@ -60,7 +60,7 @@ def hf_dir_in(path: str | Path) -> Path | None:
             return p
     except OSError:
         return None
-    subs = [e for e in _entries(p) if _is_dir(e) and (e / "config.json").is_file()]
+    subs = [e for e in _entries(p) if is_dir(e) and (e / "config.json").is_file()]
     return subs[0] if len(subs) == 1 else None
 
 
@@ -69,22 +69,33 @@ def model_formats(path: str | Path) -> dict[str, Path]:
     only those present. A plain GGUF file or HF directory gives one entry."""
     out: dict[str, Path] = {}
     gguf, hf = gguf_in(path), hf_dir_in(path)
-    if gguf is not None and _is_file(gguf):
+    if gguf is not None and is_file(gguf):
         out["gguf"] = gguf
     if hf is not None:
         out["hf"] = hf
     return out
 
 
-def _is_file(p: Path) -> bool:
+def is_file(p: Path) -> bool:
+    """``p`` is a file; False, not an error, for what cannot be looked at."""
     try:
         return p.is_file()
     except OSError:
         return False
 
 
-def _is_dir(p: Path) -> bool:
+def is_dir(p: Path) -> bool:
+    """``p`` is a directory; False, not an error, for what cannot be looked at."""
     try:
         return p.is_dir()
     except OSError:
         return False
+
+
+def exists(p: Path) -> bool:
+    """Something is at ``p`` (a dangling link counts); True for what cannot be looked at, which
+    is not "not found"."""
+    try:
+        return p.exists() or p.is_symlink()
+    except OSError:
+        return True

@@ -19,7 +19,7 @@ from unillm._errors import (
     OutOfMemory,
     UnillmError,
 )
-from unillm._model_path import hf_dir_in
+from unillm._model_path import exists, hf_dir_in, is_dir, is_file
 
 if TYPE_CHECKING:
     from unillm.backend import Facts
@@ -90,19 +90,19 @@ def checked_dir(model: str, facts: Facts, what: str) -> Path:
         if hf != given:
             facts = facts.for_path(str(hf))
         model = str(hf)
-    elif _is(given, "file"):
+    elif is_file(given):
         raise ModelFormatError(
             f"{model!r} is a file; ExLlamaV2 reads model directories (EXL2 or FP16/BF16 safetensors "
             "with config.json and tokenizer.json). For a .gguf file use backend='llama.cpp'."
         )
-    elif _is(given, "dir"):
+    elif is_dir(given):
         raise ModelFormatError(
             f"the {what} {model!r} is a directory without config.json; ExLlamaV2 reads model "
             "directories (EXL2 or FP16/BF16 safetensors with config.json and tokenizer.json)"
         )
     info = facts.model  # what auto_engine read while choosing (or, built directly, read now)
     if info is None:
-        if hf is None and not _exists(given):
+        if hf is None and not exists(given):
             raise ModelNotFound(model)
         raise ModelFormatError(
             f"the {what} {model!r} is not a model unillm can read (unillm.inspect_model says why); "
@@ -113,27 +113,13 @@ def checked_dir(model: str, facts: Facts, what: str) -> Path:
             f"the {what} {model!r} is {info.format}; ExLlamaV2 reads EXL2, GPTQ and FP16/BF16"
         )
     path = Path(info.path)  # the directory itself, or a cached repo id's snapshot
-    if not _is(path, "dir"):
+    if not is_dir(path):
         raise ModelFormatError(f"the {what} {model!r} is not a model directory")
     if not any(path.glob("*.safetensors")):
         raise ModelFormatError(f"the {what} {model!r} has no .safetensors weights")
     if not (path / "tokenizer.json").is_file():
         raise ModelFormatError(f"the {what} {model!r} has no tokenizer.json, which exllamav2 needs")
     return path
-
-
-def _is(p: Path, kind: str) -> bool:
-    try:
-        return p.is_file() if kind == "file" else p.is_dir()
-    except OSError:
-        return False
-
-
-def _exists(p: Path) -> bool:
-    try:
-        return p.exists() or p.is_symlink()
-    except OSError:
-        return True  # something is there that cannot be looked at: not "not found"
 
 
 # ---- exllamav2's loaders ----

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unillm._errors import ModelFormatError, ModelNotFound
-from unillm._model_path import hf_dir_in
+from unillm._model_path import exists, hf_dir_in, is_dir, is_file
 from unillm.backend import kv_dtype
 
 if TYPE_CHECKING:
@@ -44,15 +44,15 @@ def model_dir(model: str, facts: Facts) -> tuple[Path, ModelInfo]:
     given = Path(model).expanduser()
     hf = hf_dir_in(given)  # a directory holding the model's formats side by side: its HF one
     if hf is None:
-        if _is(given, "file"):
+        if is_file(given):
             raise _a_file(model)
-        if _is(given, "dir"):
+        if is_dir(given):
             raise ModelFormatError(f"{model!r} has no config.json: not a Hugging Face-style model directory")
     elif hf != given:
         facts = facts.for_path(str(hf))
     info = facts.model
     if info is None:
-        if hf is None and not _exists(given):
+        if hf is None and not exists(given):
             raise ModelNotFound(model)  # not here, and not in the local HF cache
         where = str(hf or given)
         raise ModelFormatError(
@@ -60,14 +60,14 @@ def model_dir(model: str, facts: Facts) -> tuple[Path, ModelInfo]:
             "Hugging Face-style model directories (config.json, *.safetensors, tokenizer)"
         )
     path = Path(info.path)
-    if not _is(path, "dir"):  # a repo id whose snapshot holds a single file
+    if not is_dir(path):  # a repo id whose snapshot holds a single file
         raise _a_file(info.path)
     return path, info
 
 
 def check_tokenizer(path: Path) -> None:
     """mlx-lm needs a tokenizer beside the weights: say so before it is imported."""
-    if not any(_is(path / name, "file") for name in _TOKENIZER_FILES):
+    if not any(is_file(path / name) for name in _TOKENIZER_FILES):
         raise ModelFormatError(
             f"{str(path)!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)"
         )
@@ -78,20 +78,6 @@ def _a_file(model: str) -> ModelFormatError:
         f"{model!r} is a file; MLX reads Hugging Face-style model directories "
         "(config.json, *.safetensors, tokenizer). For a .gguf file use backend='llama.cpp'."
     )
-
-
-def _is(p: Path, kind: str) -> bool:
-    try:
-        return p.is_file() if kind == "file" else p.is_dir()
-    except OSError:
-        return False
-
-
-def _exists(p: Path) -> bool:
-    try:
-        return p.exists() or p.is_symlink()
-    except OSError:
-        return True  # something is there that cannot be looked at: not "not found"
 
 
 # ---- after the load ----
