@@ -121,7 +121,8 @@ def _table(value: Any, what: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml_table(path: Path) -> dict[str, Any]:
+    """A TOML file's top-level table, every way of failing to read it a ``ConfigError``."""
     shown = repr(str(path)) if len(str(path)) <= 200 else repr(str(path)[:200] + "...")
     if path.suffix != ".toml":
         raise ConfigError(
@@ -159,6 +160,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{shown} is not valid TOML: {exc}. Fix the file and retry.") from exc
+    return data
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    data = _read_toml_table(path)
+    shown = repr(str(path)) if len(str(path)) <= 200 else repr(str(path)[:200] + "...")
     if "unillm" in data:
         if not isinstance(data["unillm"], dict):
             raise ConfigError(

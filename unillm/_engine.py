@@ -268,6 +268,8 @@ class Engine(Lifetime, Generic[P]):
 
     #: The vocabulary size, once loaded (backends set it): ids outside it are refused at the edge.
     vocab_size: int | None = None
+    #: The context window in tokens (prompt plus completion), once loaded (backends set it).
+    context_length: int | None = None
 
     # ---- derived: what users call ----
 

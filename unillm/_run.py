@@ -92,6 +92,7 @@ class Run:
             Usage(req.prompt_tokens, self.n, req.cached_tokens),
             _timings(req, t0, self.first or end, end, self.n),
             lp,
+            self.stops.matched if self.stops is not None and self.finish == "stop" else None,
         )
 
 
@@ -147,7 +148,13 @@ def _completion(parts: list[str], ids: list[int], lps: list[float], last: Chunk 
     if last is None or last.finish_reason is None or last.usage is None or last.timings is None:
         raise GenerationError("the stream ended without its final chunk")
     return Completion(
-        "".join(parts), tuple(ids), last.finish_reason, last.usage, last.timings, tuple(lps) if lps else None
+        "".join(parts),
+        tuple(ids),
+        last.finish_reason,
+        last.usage,
+        last.timings,
+        tuple(lps) if lps else None,
+        last.stop_sequence,
     )
 
 

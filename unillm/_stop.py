@@ -15,23 +15,24 @@ __all__ = ["StopMatcher"]
 class StopMatcher:
     """Feed text pieces in; get back what is safe to emit, and whether a stop string was hit."""
 
-    __slots__ = ("_held", "_longest", "_stops", "stopped")
+    __slots__ = ("_held", "_longest", "_stops", "matched", "stopped")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(stops)
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the completion
 
     def feed(self, text: str) -> str:
         """Add ``text``; return what can be emitted now. Sets ``stopped`` when a stop string ends
         the completion (the returned text is then everything before it)."""
         buf = self._held + text
-        cut = -1
+        cut, which = -1, None
         for stop in self._stops:
             i = buf.find(stop)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, which = i, stop
         # A longer stop may still complete from an earlier position ("bc" of "bcc" before the
         # "c" that already matched): then nothing past that position is settled yet.
         hold = self._partial_start(buf, len(buf) if cut == -1 else cut)
@@ -40,7 +41,7 @@ class StopMatcher:
             return buf[:hold]
         self._held = ""
         if cut != -1:
-            self.stopped = True
+            self.stopped, self.matched = True, which
             return buf[:cut]
         return buf
 

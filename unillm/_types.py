@@ -255,7 +255,7 @@ class Timings:
 class Chunk:
     """A piece of a streamed completion: created once per token, so it stays small.
 
-    ``finish_reason``, ``usage`` and ``timings`` are set on the last chunk only.
+    ``finish_reason``, ``usage``, ``timings`` and ``stop_sequence`` are set on the last chunk only.
     """
 
     text: str
@@ -264,6 +264,7 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     logprobs: tuple[float, ...] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the completion, if one did
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +277,7 @@ class Completion:
     usage: Usage
     timings: Timings
     logprobs: tuple[float, ...] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the completion, if one did
 
 
 @dataclass(frozen=True, slots=True)

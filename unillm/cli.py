@@ -17,6 +17,7 @@ from unillm._cli_demo import build_tiny, demo
 from unillm._cli_doctor import backends_cmd, doctor
 from unillm._cli_plan import inspect_cmd, plan_cmd, select_cmd
 from unillm._cli_run import chat, generate
+from unillm._cli_serve import serve
 
 app = typer.Typer(
     help="unillm: one interface over local LLM inference engines.",
@@ -72,6 +73,7 @@ app.command("plan")(plan_cmd)
 app.command("select")(select_cmd)
 app.command()(generate)
 app.command()(chat)
+app.command()(serve)
 app.command()(demo)
 testing_app.command("build-tiny")(build_tiny)
 

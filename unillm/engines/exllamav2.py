@@ -288,7 +288,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         self._Settings = ExLlamaV2Sampler.Settings
         # Tensors come from a tensor exllamav2 made (Tensor.new_tensor): no torch import here.
         self._proto = tokenizer.single_token(0)
-        self._n_ctx = n_ctx
+        self._n_ctx = self.context_length = n_ctx
         self._draft_tokens = draft_tokens
         self.vocab_size = tokenizer.get_vocab_size()
         # the model's declared end-of-sequence set (unillm._eos), the same on every backend

@@ -254,7 +254,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         self._n_vocab = llm.n_vocab()
         # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
         # by the requested n_ctx: the usable context is the smaller of the two.
-        self._n_ctx = min(llm.n_ctx(), len(llm.input_ids))
+        self._n_ctx = self.context_length = min(llm.n_ctx(), len(llm.input_ids))
         self.vocab_size = self._n_vocab
         self.eos_token_ids = eos_from_gguf_metadata(
             metadata,

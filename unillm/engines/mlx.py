@@ -188,6 +188,8 @@ class MLXEngine(Engine[MLXOptions]):
         trained = info.context_length
         limit = trained if trained else _DEFAULT_CONTEXT
         self._n_ctx = min(self.config.context_length or limit, limit)
+        # a rotating cache (max_kv_size) has no window a prompt plus completion must fit
+        self.context_length = self._n_ctx if self.options.max_kv_size is None else None
         template = self._chat_template()
         if self.config.chat_template is None and template is not None:
             check_chat_template(template, source=str(path))  # a broken one fails at load

@@ -190,7 +190,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         self._bos = getattr(tok, "bos_token", None) or None
         self._vocab = int(engine.model_config.get_vocab_size())
         self.vocab_size = self._vocab  # the base class checks prompt ids, stop ids and logit_bias keys
-        self._max_len = int(engine.model_config.max_model_len)
+        self._max_len = self.context_length = int(engine.model_config.max_model_len)
         self.dtype = str(engine.model_config.dtype).removeprefix("torch.")
         if args.get("dtype", "auto") not in ("auto", self.dtype):
             self._notes.append(f"vLLM runs {self.dtype}, not the {args['dtype']} asked for")

@@ -1,0 +1,149 @@
+"""``/v1/messages``: Anthropic's Messages API over the same engines, streamed or not.
+
+The stream is Anthropic's event sequence: ``message_start``, ``content_block_start``,
+``content_block_delta`` per token, ``content_block_stop``, ```message_delta`` (stop reason and
+output tokens), ``message_stop``. ``stop_reason`` is ``max_tokens`` when the length limit ended
+the reply, ``stop_sequence`` (naming it) when one of ``stop_sequences`` did, else ``end_turn``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from unillm._run import afold
+from unillm.server._generate import ApiError, sampling, stream
+from unillm.server._request import engine_for, record_of, render
+
+# FastAPI reads the body models from the annotations at runtime
+from unillm.server._schemas import AnthropicBlock, MessagesRequest
+
+if TYPE_CHECKING:
+    from unillm._types import Chunk
+
+__all__ = ["router"]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+router = APIRouter()
+
+
+def _text(content: str | Sequence[AnthropicBlock], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if block.type != "text" or block.text is None:
+            raise ApiError(
+                400, f"{where} has a {block.type!r} block: this server takes text only", param=where
+            )
+        parts.append(block.text)
+    return "\n".join(parts)
+
+
+def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | None]:
+    if finish == "length":
+        return "max_tokens", None
+    if stop_sequence is not None:
+        return "stop_sequence", stop_sequence
+    return "end_turn", None
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    state, record = request.app.state.unillm, record_of(request)
+    if body.tools or body.tool_choice:
+        raise ApiError(400, "tool use is not served yet: send the request without tools", param="tools")
+    if body.thinking:
+        raise ApiError(400, "extended thinking is not served by this server; leave it out", param="thinking")
+    msgs = []
+    if body.system is not None:
+        msgs.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        msgs.append({"role": m.role, "content": _text(m.content, f"messages[{i}].content")})
+    slot, engine = await engine_for(state, body.model, record)
+    prompt = await render(engine, msgs)
+    stops = tuple(body.stop_sequences or ())
+    fields = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "stop": stops or None,
+    }
+    params = sampling(engine, slot.alias, state.config.max_tokens, body.max_tokens, fields)
+    chunks = stream(state, slot, engine, prompt, params, record)
+    mid = "msg_" + secrets.token_hex(12)
+    if not body.stream:
+        done = await afold(chunks)
+        reason, seq = _stop_reason(done.finish_reason, done.stop_sequence)
+        u = done.usage
+        return JSONResponse(
+            {"id": mid, "type": "message", "role": "assistant", "model": slot.alias,
+             "content": [{"type": "text", "text": done.text}], "stop_reason": reason, "stop_sequence": seq,
+             "usage": _usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)}
+        )  # fmt: skip
+    try:
+        first = await anext(chunks)
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return StreamingResponse(_events(mid, slot.alias, first, chunks), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+
+def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"input_tokens": prompt, "output_tokens": completion}
+    if cached is not None:
+        out["cache_read_input_tokens"] = cached
+    return out
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {_dumps({'type': kind, **data})}\n\n"
+
+
+async def _events(
+    mid: str, alias: str, first: Chunk, chunks: AsyncGenerator[Chunk, None]
+) -> AsyncIterator[str]:
+    try:
+        # the prompt's size arrives with the last chunk; message_start says 0 until message_delta
+        message: dict[str, Any] = {
+            "id": mid, "type": "message", "role": "assistant", "model": alias, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(0, 0, None),
+        }  # fmt: skip
+        yield _event("message_start", {"message": message})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        delta = (
+            'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+            '"delta":{"type":"text_delta","text":'
+        )
+        chunk = first
+        while True:
+            if chunk.text:  # the last chunk may carry the last piece of text too
+                yield f"{delta}{_dumps(chunk.text)}}}}}\n\n"
+            if chunk.finish_reason is not None:
+                break
+            chunk = await anext(chunks)
+        yield _event("content_block_stop", {"index": 0})
+        reason, seq = _stop_reason(chunk.finish_reason, chunk.stop_sequence)
+        u = chunk.usage
+        usage = _usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens) if u else {}
+        yield _event(
+            "message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage}
+        )
+        yield _event("message_stop", {})
+    except Exception as exc:
+        from unillm.server._errors import public_message
+
+        kind = "invalid_request_error" if isinstance(exc, ApiError) else "api_error"
+        yield _event("error", {"error": {"type": kind, "message": public_message(exc, None)}})
+    finally:
+        await chunks.aclose()

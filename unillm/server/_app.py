@@ -1,0 +1,268 @@
+"""The ASGI app: routes, the edge every request passes (key, body size, access log), and the
+lifespan that loads the models, unloads idle ones and closes them all on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+
+from unillm.server._config import ServerConfig
+from unillm.server._errors import error_response, install
+from unillm.server._generate import ApiError, RequestRecord
+from unillm.server._metrics import Metrics
+from unillm.server._pool import Pool
+from unillm.server._request import chat_prompt, engine_for, record_of
+from unillm.server._schemas import DetokenizeRequest, TokenizeRequest
+
+__all__ = ["State", "create_app"]
+
+log = logging.getLogger("unillm.server")
+access = logging.getLogger("unillm.server.access")
+# Reachable without the key: a load balancer's probes.
+_OPEN = frozenset({"/health", "/ready"})
+
+
+class State:
+    """What the routes share: the config, the models, the metrics."""
+
+    def __init__(self, config: ServerConfig, pool: Pool) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = Metrics(pool)
+        self.api_key = config.resolved_api_key()
+        # each served model's path, shown as its alias in any message a client sees
+        self.paths = {s.engine.model: s.alias for s in config.models}
+        self.load_error: str | None = None
+
+
+def create_app(config: ServerConfig, *, pool: Pool | None = None) -> FastAPI:
+    """The server as an ASGI app (run it with uvicorn, or ``unillm serve``).
+
+    Models not yet loaded when it starts load in the background (``/ready`` says when), unless
+    ``config.lazy``: then each loads on its first request.
+    """
+    from unillm.server import _anthropic, _openai
+
+    pool = pool or Pool(config)
+    state = State(config, pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(pool.reaper(), name="unillm-reaper")]
+        if not config.lazy:
+            tasks.append(asyncio.create_task(_load_at_start(state), name="unillm-load"))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await pool.close()
+
+    app = FastAPI(title="unillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.unillm = state
+    install(app, state.paths)
+    app.include_router(_openai.router)
+    app.include_router(_anthropic.router)
+    _add_routes(app, state)
+    app.add_middleware(Edge, state=state)
+    return app
+
+
+async def _load_at_start(state: State) -> None:
+    try:
+        await state.pool.load_all()
+    except Exception as exc:
+        from unillm.server._errors import public_message
+
+        state.load_error = public_message(exc, state.paths)
+        log.error("loading the models failed: %s", state.load_error)
+
+
+def _add_routes(app: FastAPI, state: State) -> None:
+    pool = state.pool
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        models = {s.alias: s.loaded for s in pool.slots.values()}
+        if pool.ready:
+            return JSONResponse({"ready": True, "models": models})
+        body = {"ready": False, "models": models, "error": state.load_error}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = [
+            {"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm",
+             "backend": s.backend or s.spec.engine.backend, "loaded": s.loaded}
+            for s in pool.slots.values()
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/models/{alias}")
+    async def model(alias: str) -> JSONResponse:
+        s = pool.slot(alias)
+        return JSONResponse({"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm"})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        _, engine = await engine_for(state, body.model, record_of(request))
+        text = body.prompt if body.prompt is not None else await chat_prompt(engine, body.messages or [])
+        ids = await asyncio.to_thread(_checked(engine.tokenize), text)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_length})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        _, engine = await engine_for(state, body.model, record_of(request))
+        vocab = engine.vocab_size
+        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ApiError(
+                400, f"token ids {bad[:5]} are outside the vocabulary (0..{vocab})", param="tokens"
+            )
+        return JSONResponse({"prompt": await asyncio.to_thread(_checked(engine.detokenize), body.tokens)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        data = await asyncio.to_thread(generate_latest, state.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except NotImplementedError as exc:
+            raise ApiError(400, str(exc), code="unsupported") from exc
+
+    return call
+
+
+class Edge:
+    """Pure ASGI middleware (it never buffers a stream): the API key, the body limit, the
+    access log and the per-route request counter."""
+
+    def __init__(self, app: Any, state: State) -> None:
+        self.app = app
+        self.state = state
+        self.limit = state.config.max_body_bytes
+        self.key = state.api_key.encode() if state.api_key else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        record = scope["unillm.record"] = RequestRecord()
+        status = [500]
+
+        async def sending(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await self._answer(scope, refusal, sending)
+                return
+            await self.app(scope, self._bounded(scope, receive), sending)
+        except _TooLarge:
+            await self._answer(scope, _too_large(self.limit), sending)
+        finally:
+            path = scope.get("path", "")
+            self.state.metrics.requests.labels(_route(path), str(status[0])).inc()
+            if self.state.config.access_log:
+                _log_access(scope, status[0], record, time.perf_counter() - started)
+
+    def _refusal(self, scope: dict[str, Any]) -> ApiError | None:
+        headers = dict(scope.get("headers") or ())
+        if self.key is not None and scope.get("path") not in _OPEN:
+            given = headers.get(b"x-api-key")
+            auth = headers.get(b"authorization", b"")
+            if auth[:7].lower() == b"bearer ":
+                given = auth[7:].strip()
+            if given is None or not hmac.compare_digest(given, self.key):
+                return ApiError(
+                    401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                    type_="authentication_error", code="invalid_api_key",
+                )  # fmt: skip
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return _too_large(self.limit)
+        return None
+
+    def _bounded(self, scope: dict[str, Any], receive: Any) -> Any:
+        """``receive``, counting a body sent without a length (chunked) against the limit."""
+        seen = [0]
+        limit = self.limit
+
+        async def bounded() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > limit:
+                    raise _TooLarge()
+            return message
+
+        return bounded
+
+    async def _answer(self, scope: dict[str, Any], err: ApiError, send: Any) -> None:
+        request = Request(scope)
+        await error_response(request, err)(scope, _no_body, send)
+
+
+class _TooLarge(HTTPException):
+    """Raised from ``receive``: FastAPI passes an HTTPException through its body parsing."""
+
+    def __init__(self) -> None:
+        super().__init__(413)
+
+
+async def _no_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server takes ({limit} bytes)",
+                    code="request_too_large")  # fmt: skip
+
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/tokenize",
+           "/detokenize", "/health", "/ready", "/metrics")  # fmt: skip
+
+
+def _route(path: str) -> str:
+    if path in _ROUTES:
+        return path
+    return "/v1/models/{alias}" if path.startswith("/v1/models/") else "other"  # no label per stray URL
+
+
+def _log_access(scope: dict[str, Any], status: int, r: RequestRecord, total: float) -> None:
+    if not access.isEnabledFor(logging.INFO):
+        return
+    client = scope.get("client") or ("-", 0)
+    ttft = f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-"
+    access.info(
+        '%s "%s %s" %d model=%s in=%s out=%s ttft=%s total=%.3fs%s',
+        client[0], scope.get("method", "-"), _route(scope.get("path", "")), status, r.alias or "-",
+        r.prompt_tokens if r.prompt_tokens is not None else "-",
+        r.completion_tokens if r.completion_tokens is not None else "-", ttft, total,
+        f" finish={r.finish}" if r.finish else "",
+    )  # fmt: skip

@@ -1,0 +1,152 @@
+"""Every failure as an HTTP answer: the right status, OpenAI's error body (Anthropic's on
+``/v1/messages``), and never a stack trace or a filesystem path.
+
+==============================  ======  =====================================
+error                           status  why
+==============================  ======  =====================================
+a body that does not validate    400     the field and what is wrong with it
+UnsupportedParameter             400     the backend cannot honour the field
+ContextLengthExceeded            400     the prompt does not fit the window
+ConfigError (bad prompt, ...)    400
+UnknownModel                     404     the aliases the server has
+Busy                             429     queue full; Retry-After says when
+load failures (OutOfMemory, ...) 503     the model cannot be loaded now
+EngineClosed                     503     the model was unloaded meanwhile
+GenerationError, anything else   500     logged in full, answered briefly
+==============================  ======  =====================================
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from unillm._errors import (
+    BackendUnavailable,
+    ConfigError,
+    ContextLengthExceeded,
+    EngineClosed,
+    ModelLoadError,
+    NoSuitableBackend,
+    OutOfMemory,
+    UnillmError,
+    UnsupportedParameter,
+)
+from unillm.server._generate import ApiError
+from unillm.server._pool import Busy, UnknownModel
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["error_response", "install", "public_message", "to_api_error"]
+
+log = logging.getLogger("unillm.server")
+
+# An absolute path: a slash not preceded by a word character, then path characters.
+_PATH = re.compile(r"(?<![\w.~])(?:~|/)[\w.\-~+@%]*(?:/[\w.\-~+@%]*)+|(?<![\w])[A-Za-z]:\\[^\s'\"]+")
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+}  # fmt: skip
+
+
+def public_message(exc: BaseException, paths: dict[str, str] | None) -> str:
+    """``exc``'s message with each served model's path shown as its alias, any other path elided."""
+    text = str(exc)
+    for path, alias in (paths or {}).items():
+        text = text.replace(path, alias)
+    return _PATH.sub("<path>", text)[:2000]
+
+
+def to_api_error(exc: BaseException, paths: dict[str, str] | None = None) -> ApiError:
+    """The HTTP answer for one of unillm's errors."""
+    if isinstance(exc, ApiError):
+        exc.message = public_message(exc, paths)
+        return exc
+    msg = public_message(exc, paths)
+    if isinstance(exc, UnknownModel):
+        return ApiError(404, msg, param="model", code="model_not_found")
+    if isinstance(exc, Busy):
+        retry = {"Retry-After": str(exc.retry_after_s)}
+        return ApiError(429, msg, type_="rate_limit_error", code="rate_limit_exceeded", headers=retry)
+    if isinstance(exc, UnsupportedParameter):
+        return ApiError(400, msg, param=exc.params[0] if exc.params else None, code="unsupported_parameter")
+    if isinstance(exc, ContextLengthExceeded):
+        return ApiError(400, msg, code="context_length_exceeded")
+    if isinstance(exc, (OutOfMemory, ModelLoadError, BackendUnavailable, NoSuitableBackend)):
+        return ApiError(
+            503, "the model cannot be loaded now: " + msg, type_="server_error", code="model_unavailable",
+            headers={"Retry-After": "30"},
+        )  # fmt: skip
+    if isinstance(exc, EngineClosed):
+        return ApiError(503, msg, type_="server_error", headers={"Retry-After": "1"})
+    if isinstance(exc, ConfigError):
+        return ApiError(400, msg)
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, "the server failed to answer this request; see its log", type_="server_error")
+
+
+def error_response(request: Request | None, err: ApiError) -> JSONResponse:
+    """OpenAI's error body, or Anthropic's for the Messages route."""
+    path = request.url.path if request is not None else ""
+    if path.startswith("/v1/messages"):
+        body: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message},
+        }
+    else:
+        body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def _validation(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or "body"
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        msg = f"{where}: this server does not know this field; leave it out"
+    elif kind == "missing":
+        msg = f"{where}: required"
+    elif kind in ("json_invalid", "model_attributes_type") and not loc:
+        msg = "the body is not a JSON object"
+    else:
+        msg = f"{where}: {first.get('msg', 'invalid value')}"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return ApiError(400, msg + more, param=where if loc else None)
+
+
+def install(app: FastAPI, paths: dict[str, str]) -> None:
+    """Register the handlers that turn every failure into ``error_response``."""
+
+    async def on_api(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, to_api_error(exc, paths))
+
+    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(request, to_api_error(_validation(exc), paths))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 413:
+            message = "the request body is larger than this server takes"
+        elif exc.status_code == 404:
+            message = f"there is no route {request.url.path[:100]!r}; see GET /v1/models and docs/server.md"
+        else:
+            message = str(exc.detail)
+        return error_response(request, ApiError(exc.status_code, message, headers=dict(exc.headers or {})))
+
+    app.add_exception_handler(RequestValidationError, on_invalid)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    # by class, so Starlette answers them without re-raising; Exception is the 500 fallback,
+    # which Starlette logs as the bug it is
+    app.add_exception_handler(ApiError, on_api)
+    app.add_exception_handler(UnillmError, on_api)
+    app.add_exception_handler(Exception, on_api)

@@ -1,0 +1,153 @@
+"""One generation request, whatever API it came through: admission, the engine's async stream,
+metrics and the access-log record. The OpenAI and Anthropic routes only translate shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from unillm._errors import ConfigError, UnsupportedParameter
+from unillm._types import SamplingParams
+
+if TYPE_CHECKING:
+    from unillm._engine import Engine
+    from unillm._types import Chunk
+    from unillm.server._app import State
+    from unillm.server._pool import Slot
+
+__all__ = ["ApiError", "RequestRecord", "sampling", "stream"]
+
+# What the base class honours for every backend, listed in its capabilities or not.
+_ALWAYS = frozenset({"max_tokens", "stop"})
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, message, and the OpenAI ``type`` / ``param`` / ``code``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+class RequestRecord:
+    """What the access log says of one request; the routes fill it in as they learn it."""
+
+    __slots__ = ("alias", "completion_tokens", "finish", "prompt_tokens", "ttft_s")
+
+    def __init__(self) -> None:
+        self.alias: str | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.ttft_s: float | None = None
+        self.finish: str | None = None
+
+
+def sampling(
+    engine: Engine[Any], alias: str, limit: int, asked: int | None, fields: dict[str, Any]
+) -> SamplingParams:
+    """``SamplingParams`` for a request, refusing with a 400 what ``engine`` cannot honour.
+
+    ``limit`` is the server's cap on new tokens; ``asked`` the request's (None: up to the cap).
+    """
+    window = engine.context_length
+    most = min(limit, window) if window else limit
+    if asked is not None and asked > most:
+        where = f" (its context window is {window} tokens)" if window and window <= limit else ""
+        raise ApiError(
+            400,
+            f"max_tokens is {asked}, more than the {most} this server allows for {alias!r}{where}; "
+            "ask for fewer",
+            param="max_tokens",
+            code="max_tokens_exceeded",
+        )
+    try:
+        params = SamplingParams(
+            max_tokens=asked or most, **{k: v for k, v in fields.items() if v is not None}
+        )
+    except ConfigError as exc:
+        raise ApiError(400, str(exc)) from exc
+    supported = engine.capabilities.sampling
+    unsupported = [n for n in params.non_default() if n not in supported and n not in _ALWAYS]
+    if unsupported:
+        raise ApiError(
+            400, str(UnsupportedParameter(engine.name, unsupported)), param=unsupported[0],
+            code="unsupported_parameter",
+        )  # fmt: skip
+    return params
+
+
+async def stream(
+    state: State,
+    slot: Slot,
+    engine: Engine[Any],
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    record: RequestRecord,
+) -> AsyncGenerator[Chunk, None]:
+    """The engine's chunks for one request, inside the alias's admission, observed as they pass.
+
+    ``Busy`` comes out of the first step when the queue is full; a consumer that stops early (a
+    client gone) closes this generator, which cancels the engine's stream at its next token.
+    """
+    m = state.metrics.labels(slot.alias, engine.name)
+    arrived = perf_counter()
+    record.alias = slot.alias
+    assert slot.admission is not None
+    async with slot.admission.slot(slot.alias):
+        start = perf_counter()
+        m.queue.observe(start - arrived)
+        last = start
+        first = True
+        itl = m.itl.observe
+        finish: str | None = None
+        try:
+            async for chunk in engine.astream(prompt, params):
+                now = perf_counter()
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+                    usage = chunk.usage
+                    if usage is not None:
+                        record.prompt_tokens = usage.prompt_tokens
+                        record.completion_tokens = usage.completion_tokens
+                        m.prompt_tokens.inc(usage.prompt_tokens)
+                        m.generation_tokens.inc(usage.completion_tokens)
+                    if first:  # nothing was generated: the end is the first answer
+                        record.ttft_s = now - arrived
+                        m.ttft.observe(now - arrived)
+                    m.e2e.observe(now - arrived)
+                elif first:
+                    first = False
+                    record.ttft_s = now - arrived
+                    m.ttft.observe(now - arrived)
+                else:
+                    itl(now - last)
+                last = now
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            finish = finish or "abort"  # closed after the last chunk is a finished request
+            raise
+        except Exception:
+            finish = "error"
+            raise
+        finally:
+            record.finish = finish = finish or "abort"
+            m.finished(finish)
+            slot.last_used = time.monotonic()  # idle time counts from the end of the last request

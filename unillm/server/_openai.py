@@ -1,0 +1,233 @@
+"""``/v1/chat/completions`` and ``/v1/completions`` in OpenAI's shapes, streamed or not.
+
+A streamed answer starts only once the first token is there, so a request the engine refuses
+(a prompt longer than the context, a full queue) still gets its HTTP status, not an error event
+inside a 200. Each token is one server-sent event, formatted from a prefix and suffix made once
+per request (the JSON encoder runs on the token text only).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from unillm._run import afold
+from unillm.server._generate import ApiError, stream
+from unillm.server._request import chat_prompt, check_common, engine_for, openai_sampling, record_of
+
+# FastAPI reads the body models from the annotations at runtime
+from unillm.server._schemas import ChatRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from unillm._engine import Engine
+    from unillm._types import Chunk, Usage
+
+__all__ = ["router"]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+router = APIRouter()
+_SSE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+_DONE = "data: [DONE]\n\n"
+
+
+def usage_json(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    if usage.cached_prompt_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_prompt_tokens}
+    return out
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Any:
+    state, record = request.app.state.unillm, record_of(request)
+    check_common(body)
+    if body.tools or body.functions or body.tool_choice not in (None, "none") or body.function_call:
+        raise ApiError(
+            400, "tool calling is not served yet: send the request without tools", param="tools",
+            code="unsupported_parameter",
+        )  # fmt: skip
+    if body.top_logprobs:
+        raise ApiError(
+            400,
+            "top_logprobs: alternatives to the chosen token are not returned yet; send 0 or leave it out",
+            param="top_logprobs", code="unsupported_parameter",
+        )  # fmt: skip
+    slot, engine = await engine_for(state, body.model, record)
+    prompt = await chat_prompt(engine, body.messages)
+    asked = body.max_completion_tokens or body.max_tokens
+    params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=0 if body.logprobs else None)
+    chunks = stream(state, slot, engine, prompt, params, record)
+    cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+    want_lp = body.logprobs
+    if not body.stream:
+        done = await afold(chunks)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": done.text},
+            "logprobs": _chat_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
+            "finish_reason": _finish(done.finish_reason),
+        }
+        return JSONResponse(
+            {"id": cid, "object": "chat.completion", "created": created, "model": slot.alias,
+             "choices": [choice], "usage": usage_json(done.usage)}
+        )  # fmt: skip
+    base = _dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": slot.alias})[
+        :-1
+    ]
+    head = base + ',"choices":[{"index":0,'
+    usage_too = bool(body.stream_options and body.stream_options.include_usage)
+
+    def event(chunk: Chunk) -> str:
+        lp = _dumps(_chat_logprobs(engine, chunk.token_ids, chunk.logprobs)) if want_lp else "null"
+        text = _dumps(chunk.text)
+        return f'data: {head}"delta":{{"content":{text}}},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
+
+    def last(chunk: Chunk) -> str:
+        reason = _finish(chunk.finish_reason)
+        out = f'data: {head}"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'
+        if usage_too:
+            usage = _dumps(usage_json(chunk.usage))
+            out += f'data: {base},"choices":[],"usage":{usage}}}\n\n'
+        return out
+
+    role = (
+        f'data: {head}"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}'
+    )
+    role += "\n\n"
+    return await _sse(chunks, event, last, role, want_lp)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    state, record = request.app.state.unillm, record_of(request)
+    check_common(body)
+    refused = {"echo": body.echo, "best_of": (body.best_of or 1) > 1, "suffix": body.suffix is not None}
+    for name, asked in refused.items():
+        if asked:
+            raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
+    if body.logprobs:
+        raise ApiError(
+            400, "logprobs: alternatives to the chosen token are not returned yet; send 0 for the chosen "
+            "token's logprob", param="logprobs", code="unsupported_parameter",
+        )  # fmt: skip
+    prompt = _one_prompt(body.prompt)
+    slot, engine = await engine_for(state, body.model, record)
+    params = openai_sampling(state, engine, slot.alias, body, body.max_tokens, logprobs=body.logprobs)
+    chunks = stream(state, slot, engine, prompt, params, record)
+    cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+    want_lp = body.logprobs is not None
+    if not body.stream:
+        done = await afold(chunks)
+        choice = {
+            "index": 0,
+            "text": done.text,
+            "logprobs": _completion_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
+            "finish_reason": _finish(done.finish_reason),
+        }
+        return JSONResponse(
+            {"id": cid, "object": "text_completion", "created": created, "model": slot.alias,
+             "choices": [choice], "usage": usage_json(done.usage)}
+        )  # fmt: skip
+    base = _dumps({"id": cid, "object": "text_completion", "created": created, "model": slot.alias})[:-1]
+    head = base + ',"choices":[{"index":0,'
+    usage_too = bool(body.stream_options and body.stream_options.include_usage)
+
+    def event(chunk: Chunk) -> str:
+        lp = _dumps(_completion_logprobs(engine, chunk.token_ids, chunk.logprobs)) if want_lp else "null"
+        text = _dumps(chunk.text)
+        return f'data: {head}"text":{text},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
+
+    def last(chunk: Chunk) -> str:
+        out = (
+            f'data: {head}"text":"","logprobs":null,"finish_reason":"{_finish(chunk.finish_reason)}"}}]}}\n\n'
+        )
+        if usage_too:
+            usage = _dumps(usage_json(chunk.usage))
+            out += f'data: {base},"choices":[],"usage":{usage}}}\n\n'
+        return out
+
+    return await _sse(chunks, event, last, "", want_lp)
+
+
+async def _sse(
+    chunks: AsyncGenerator[Chunk, None], event: Any, last: Any, opening: str, keep_empty: bool
+) -> Any:
+    """A streaming response whose first token is already there (or whose refusal was raised)."""
+    try:
+        first = await anext(chunks)
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if opening:
+                yield opening
+            chunk = first
+            while True:
+                if chunk.finish_reason is not None:  # it may carry the last piece of text
+                    yield (event(chunk) if chunk.text else "") + last(chunk) + _DONE
+                    return
+                if chunk.text or keep_empty:
+                    yield event(chunk)
+                chunk = await anext(chunks)
+        except ApiError as exc:
+            yield ("data: " + _dumps({"error": {"message": exc.message, "type": exc.type}}) + "\n\n" + _DONE)
+        except Exception as exc:
+            from unillm.server._errors import public_message
+
+            msg = {"error": {"message": public_message(exc, None), "type": "server_error"}}
+            yield "data: " + _dumps(msg) + "\n\n" + _DONE
+        finally:
+            await chunks.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE)
+
+
+def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]  # type: ignore[return-value]
+    raise ApiError(400, "send one prompt per request (a string or a list of token ids)", param="prompt")
+
+
+def _chat_logprobs(engine: Engine[Any], ids: Sequence[int], lps: Sequence[float] | None) -> dict[str, Any]:
+    entries = []
+    for tid, lp in zip(ids, lps or (), strict=False):
+        token = engine.detokenize([tid])
+        entries.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
+    return {"content": entries}
+
+
+def _completion_logprobs(
+    engine: Engine[Any], ids: Sequence[int], lps: Sequence[float] | None
+) -> dict[str, Any]:
+    tokens = [engine.detokenize([t]) for t in ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": list(lps or ()), "top_logprobs": None, "text_offset": offsets}

@@ -1,0 +1,124 @@
+"""From a validated request body to what the engine takes: the alias's engine, the prompt, the
+sampling parameters. Shared by every route."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from unillm._errors import ConfigError
+from unillm.server._generate import ApiError, RequestRecord, sampling
+
+if TYPE_CHECKING:
+    from unillm._engine import Engine
+    from unillm.server._app import State
+    from unillm.server._pool import Slot
+    from unillm.server._schemas import ChatMessageIn, _Sampling
+
+__all__ = ["chat_prompt", "check_common", "engine_for", "openai_sampling", "record_of"]
+
+
+def record_of(request: Request) -> RequestRecord:
+    """The access-log record the edge middleware put on this request."""
+    record = request.scope.get("unillm.record")
+    if record is None:  # a route reached without the middleware (an embedding app's own stack)
+        record = request.scope["unillm.record"] = RequestRecord()
+    return record
+
+
+async def engine_for(state: State, model: str, record: RequestRecord) -> tuple[Slot, Engine[Any]]:
+    """The loaded engine of the alias ``model`` (a name, never a path)."""
+    slot, engine = await state.pool.engine(model)
+    record.alias = slot.alias
+    return slot, engine
+
+
+def check_common(body: _Sampling) -> None:
+    """Refuse what neither API route serves."""
+    if body.n != 1:
+        raise ApiError(400, f"n is {body.n}: this server returns one choice per request", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def openai_sampling(
+    state: State, engine: Engine[Any], alias: str, body: Any, asked: int | None, *, logprobs: int | None
+) -> Any:
+    """``SamplingParams`` from an OpenAI-shaped body."""
+    bias = None
+    if body.logit_bias:
+        bias = {}
+        for key, value in body.logit_bias.items():
+            if not key.strip().isdigit():
+                raise ApiError(400, f"logit_bias keys are token ids, got {key[:40]!r}", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias values lie in [-100, 100], got {value}", param="logit_bias")
+            bias[int(key)] = value
+    fields = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k if body.top_k and body.top_k > 0 else None,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "seed": body.seed,
+        "stop": body.stop,
+        "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
+        "ignore_eos": body.ignore_eos or None,
+        "min_tokens": body.min_tokens or None,
+        "logprobs": logprobs,
+        "logit_bias": bias,
+        "response_format": _response_format(getattr(body, "response_format", None)),
+    }
+    if isinstance(body.stop, list) and len(body.stop) > 16:
+        raise ApiError(400, f"stop has {len(body.stop)} strings; send at most 16", param="stop")
+    return sampling(engine, alias, state.config.max_tokens, asked, fields)
+
+
+def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None or value.get("type") == "text":
+        return None
+    if value.get("type") not in ("json_object", "json_schema"):
+        raise ApiError(
+            400, f"response_format type {value.get('type')!r} is not one of text, json_object, json_schema",
+            param="response_format",
+        )  # fmt: skip
+    return value
+
+
+async def chat_prompt(engine: Engine[Any], messages: Sequence[ChatMessageIn]) -> str:
+    """The prompt text of OpenAI-shaped messages under the model's chat template."""
+    plain = []
+    for i, m in enumerate(messages):
+        if m.tool_calls or m.role == "tool":
+            raise ApiError(400, "tool messages are not served yet", param=f"messages[{i}]")
+        plain.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, i)})
+    return await render(engine, plain)
+
+
+async def render(engine: Engine[Any], messages: list[dict[str, str]]) -> str:
+    """Render on a thread: a template is the model's code, and may take its time."""
+    try:
+        return await asyncio.to_thread(engine.render_chat, messages)
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), param="messages") from exc
+
+
+def _text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(
+                400, f"messages[{i}] has a {part.type!r} part: this server takes text only",
+                param=f"messages[{i}].content",
+            )  # fmt: skip
+        parts.append(part.text)
+    return "\n".join(parts)
