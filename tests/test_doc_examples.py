@@ -80,6 +80,14 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/backends/vllm-scale-out.md", "ray start --address"): "joins a worker machine to the Ray cluster",
     ("docs/backends/vllm-scale-out.md", "ray status"): "needs the Ray cluster of the steps before",
     ("docs/backends/vllm-scale-out.md", "Llama-3.1-70B"): "16 GPUs on two machines joined by Ray",
+    ("docs/server.md", "unillm serve model.gguf --alias chat"): "a server runs until it is stopped; "
+    "tests/test_server.py starts this very command",
+    ("docs/server.md", 'base_url="http://127.0.0.1:8000/v1"'): "talks to the server of the block "
+    "before; the page's next block makes the same calls in-process",
+    ("README.md", "unillm serve model.gguf"): "a server runs until it is stopped; tests/test_server.py "
+    "starts this very command",
+    ("README.md", 'base_url="http://127.0.0.1:8000/v1"'): "talks to the server of the block before; "
+    "docs/server.md's in-process block makes the same calls",
 }
 
 

@@ -89,6 +89,13 @@ def test_engine_config_table_matches_the_model() -> None:
     assert [code(r[0]) for r in rows] == list(unillm.EngineConfig.model_fields)
 
 
+def test_server_config_table_matches_the_model() -> None:
+    from unillm.server import ServerConfig
+
+    rows = table(read("server.md"), "## ServerConfig")
+    assert [code(r[0]) for r in rows] == list(ServerConfig.model_fields)
+
+
 def test_api_reference_covers_every_public_name() -> None:
     text = read("api.md")
     documented = set(re.findall(r"^::: (\S+)$", text, re.MULTILINE))

@@ -27,7 +27,7 @@ def serve(
     config: Annotated[
         Path | None,
         typer.Option(
-            "--config", help="A server TOML: settings and [models.<alias>] tables (docs/server.md)."
+            "--config", help="A server TOML: settings and \\[models.<alias>] tables (docs/server.md)."
         ),
     ] = None,
     alias: Annotated[
@@ -39,8 +39,8 @@ def serve(
     concurrency: Annotated[
         int | None, typer.Option(help="Requests you expect at once: the workload the backend is chosen for.")
     ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind [default: 127.0.0.1].")] = None,
-    port: Annotated[int | None, typer.Option(help="Port; 0 picks a free one [default: 8000].")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1: this machine only).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000); 0 picks a free one.")] = None,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="UNILLM_API_KEY", show_envvar=True, help="Require this Bearer key."),
