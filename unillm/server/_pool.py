@@ -134,8 +134,9 @@ class Pool:
 
     @property
     def ready(self) -> bool:
-        """Every model that loads at start is loaded (lazy ones count as ready)."""
-        return self.config.lazy or all(s.loaded for s in self.slots.values())
+        """Every model that loads at start has loaded (lazy ones count as ready, and so does one
+        unloaded after its TTL: it loads again on demand)."""
+        return self.config.lazy or all(s.loads > 0 for s in self.slots.values())
 
     def adopt(self, alias: str, engine: Engine[Any]) -> None:
         """Serve an engine loaded elsewhere (the CLI loads before it starts listening)."""
