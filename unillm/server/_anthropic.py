@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from unillm._run import afold
 from unillm.server._generate import ApiError, sampling, stream
-from unillm.server._request import engine_for, record_of, render
+from unillm.server._request import engine_for, record_of, render, unless_gone
 
 # FastAPI reads the body models from the annotations at runtime
 from unillm.server._schemas import AnthropicBlock, MessagesRequest
@@ -82,7 +82,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     chunks = stream(state, slot, engine, prompt, params, record)
     mid = "msg_" + secrets.token_hex(12)
     if not body.stream:
-        done = await afold(chunks)
+        done = await unless_gone(request, afold(chunks))
         reason, seq = _stop_reason(done.finish_reason, done.stop_sequence)
         u = done.usage
         return JSONResponse(
@@ -91,7 +91,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
              "usage": _usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)}
         )  # fmt: skip
     try:
-        first = await anext(chunks)
+        first = await unless_gone(request, anext(chunks))
     except BaseException:
         await chunks.aclose()
         raise

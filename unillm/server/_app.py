@@ -186,6 +186,8 @@ class Edge:
         except _TooLarge:
             await self._answer(scope, _too_large(self.limit), sending)
         finally:
+            if record.pinned is not None:
+                record.pinned.pins -= 1
             path = scope.get("path", "")
             self.state.metrics.requests.labels(_route(path), str(status[0])).inc()
             if self.state.config.access_log:

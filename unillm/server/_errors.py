@@ -135,13 +135,15 @@ def install(app: FastAPI, paths: dict[str, str]) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        if exc.status_code == 413:
-            message = "the request body is larger than this server takes"
+        code = None
+        if exc.status_code == 413:  # a chunked body over the limit, found while reading it
+            message, code = "the request body is larger than this server takes", "request_too_large"
         elif exc.status_code == 404:
             message = f"there is no route {request.url.path[:100]!r}; see GET /v1/models and docs/server.md"
         else:
             message = str(exc.detail)
-        return error_response(request, ApiError(exc.status_code, message, headers=dict(exc.headers or {})))
+        err = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+        return error_response(request, err)
 
     app.add_exception_handler(RequestValidationError, on_invalid)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -50,7 +50,7 @@ class ApiError(Exception):
 class RequestRecord:
     """What the access log says of one request; the routes fill it in as they learn it."""
 
-    __slots__ = ("alias", "completion_tokens", "finish", "prompt_tokens", "ttft_s")
+    __slots__ = ("alias", "completion_tokens", "finish", "pinned", "prompt_tokens", "ttft_s")
 
     def __init__(self) -> None:
         self.alias: str | None = None
@@ -58,6 +58,7 @@ class RequestRecord:
         self.completion_tokens: int | None = None
         self.ttft_s: float | None = None
         self.finish: str | None = None
+        self.pinned: Slot | None = None  # the model this request holds until it ends
 
 
 def sampling(

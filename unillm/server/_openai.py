@@ -19,7 +19,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from unillm._run import afold
 from unillm.server._generate import ApiError, stream
-from unillm.server._request import chat_prompt, check_common, engine_for, openai_sampling, record_of
+from unillm.server._request import (
+    chat_prompt,
+    check_common,
+    engine_for,
+    openai_sampling,
+    record_of,
+    unless_gone,
+)
 
 # FastAPI reads the body models from the annotations at runtime
 from unillm.server._schemas import ChatRequest, CompletionRequest
@@ -80,7 +87,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs
     if not body.stream:
-        done = await afold(chunks)
+        done = await unless_gone(request, afold(chunks))
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": done.text},
@@ -114,7 +121,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         f'data: {head}"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}'
     )
     role += "\n\n"
-    return await _sse(chunks, event, last, role, want_lp)
+    return await _sse(request, chunks, event, last, role, want_lp)
 
 
 @router.post("/v1/completions")
@@ -137,7 +144,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs is not None
     if not body.stream:
-        done = await afold(chunks)
+        done = await unless_gone(request, afold(chunks))
         choice = {
             "index": 0,
             "text": done.text,
@@ -166,15 +173,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             out += f'data: {base},"choices":[],"usage":{usage}}}\n\n'
         return out
 
-    return await _sse(chunks, event, last, "", want_lp)
+    return await _sse(request, chunks, event, last, "", want_lp)
 
 
 async def _sse(
-    chunks: AsyncGenerator[Chunk, None], event: Any, last: Any, opening: str, keep_empty: bool
+    request: Request,
+    chunks: AsyncGenerator[Chunk, None],
+    event: Any,
+    last: Any,
+    opening: str,
+    keep_empty: bool,
 ) -> Any:
     """A streaming response whose first token is already there (or whose refusal was raised)."""
     try:
-        first = await anext(chunks)
+        first = await unless_gone(request, anext(chunks))
     except BaseException:
         await chunks.aclose()
         raise

@@ -92,12 +92,19 @@ class Slot:
         self.last_used = 0.0
         self.admission: Admission | None = None
         self.loads = 0  # how many times it was loaded (a reload after TTL counts again)
+        # requests holding its engine, from the hand-out to their end: it is never unloaded
+        # under them (admission counts them only once they reach the queue)
+        self.pins = 0
         self._server = server
         self._loading = asyncio.Lock()
 
     @property
     def loaded(self) -> bool:
         return self.engine is not None and self.engine.loaded
+
+    @property
+    def busy(self) -> bool:
+        return self.pins > 0 or (self.admission is not None and self.admission.in_use > 0)
 
     def _admission_for(self, engine: Engine[Any]) -> Admission:
         running = (self.spec.max_running or self._server.max_running) if engine.capabilities.batching else 1
@@ -119,7 +126,9 @@ class Pool:
         self.slots = {spec.alias: Slot(spec, config) for spec in config.models}
         self._loader = loader or _load
         self._fits = fits or _fits_now
-        self._evicting = asyncio.Lock()
+        # held while a model makes room and loads: one that is loading counts against max_loaded
+        # (and the memory plan) before it is loaded, so two never load into the same room
+        self._placing = asyncio.Lock()
         self._closed = False
 
     @property
@@ -158,8 +167,9 @@ class Pool:
         if engine is None or not engine.loaded:
             async with slot._loading:
                 if slot.engine is None or not slot.engine.loaded:
-                    await self._make_room(slot)
-                    await self._load(slot)
+                    async with self._placing:
+                        await self._make_room(slot)
+                        await self._load(slot)
             engine = slot.engine
             assert engine is not None
         slot.last_used = time.monotonic()
@@ -185,18 +195,16 @@ class Pool:
     async def _make_room(self, slot: Slot) -> None:
         """Unload idle models, least recently used first, until ``slot`` may load: under
         ``max_loaded``, and (when others are loaded) the memory plan says it fits."""
-        async with self._evicting:
-            while True:
-                loaded = [s for s in self.slots.values() if s.loaded and s is not slot]
-                over = self.config.max_loaded is not None and len(loaded) >= self.config.max_loaded
-                if not over and (not loaded or await asyncio.to_thread(self._fits, slot.spec)):
-                    return
-                idle = sorted((s for s in loaded if s.admission is None or s.admission.in_use == 0),
-                              key=lambda s: s.last_used)  # fmt: skip
-                if not idle:
-                    why = f"{len(loaded)} models are loaded (max_loaded)" if over else "it does not fit"
-                    raise Busy(f"cannot load {slot.alias!r} now: {why} and all are busy; retry later", 5)
-                await self.unload(idle[0], why="to make room for " + slot.alias)
+        while True:
+            loaded = [s for s in self.slots.values() if s.loaded and s is not slot]
+            over = self.config.max_loaded is not None and len(loaded) >= self.config.max_loaded
+            if not over and (not loaded or await asyncio.to_thread(self._fits, slot.spec)):
+                return
+            idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
+            if not idle:
+                why = f"{len(loaded)} models are loaded (max_loaded)" if over else "it does not fit"
+                raise Busy(f"cannot load {slot.alias!r} now: {why} and all are busy; retry later", 5)
+            await self.unload(idle[0], why="to make room for " + slot.alias)
 
     async def unload(self, slot: Slot, *, why: str) -> None:
         engine, slot.engine = slot.engine, None
@@ -212,8 +220,7 @@ class Pool:
         now = time.monotonic() if now is None else now
         gone = []
         for slot in self.slots.values():
-            busy = slot.admission is not None and slot.admission.in_use > 0
-            if slot.loaded and not busy and now - slot.last_used >= ttl:
+            if slot.loaded and not slot.busy and now - slot.last_used >= ttl:
                 await self.unload(slot, why=f"idle for {ttl:g} s")
                 gone.append(slot.alias)
         return gone

@@ -4,8 +4,9 @@ sampling parameters. Shared by every route."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -18,7 +19,9 @@ if TYPE_CHECKING:
     from unillm.server._pool import Slot
     from unillm.server._schemas import ChatMessageIn, _Sampling
 
-__all__ = ["chat_prompt", "check_common", "engine_for", "openai_sampling", "record_of"]
+__all__ = ["chat_prompt", "check_common", "engine_for", "openai_sampling", "record_of", "unless_gone"]
+
+T = TypeVar("T")
 
 
 def record_of(request: Request) -> RequestRecord:
@@ -32,8 +35,41 @@ def record_of(request: Request) -> RequestRecord:
 async def engine_for(state: State, model: str, record: RequestRecord) -> tuple[Slot, Engine[Any]]:
     """The loaded engine of the alias ``model`` (a name, never a path)."""
     slot, engine = await state.pool.engine(model)
+    # pinned before anything awaits: a model loading meanwhile must not unload this one before
+    # the request reaches its queue (the edge middleware unpins it when the request ends)
+    if record.pinned is None:
+        slot.pins += 1
+        record.pinned = slot
     record.alias = slot.alias
     return slot, engine
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (the
+    engine stops at its next token) and the answer is a 499 nobody reads.
+
+    Starlette cancels a response that is streaming already; without this, a whole answer, or a
+    stream still waiting for its slot or first token, would run on for a client long gone.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ApiError(499, "the client closed the connection before the answer", code="client_closed")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # the body is read already: the next message is the disconnect (or the response's end)
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def check_common(body: _Sampling) -> None:
