@@ -39,7 +39,9 @@ def serve(
     concurrency: Annotated[
         int | None, typer.Option(help="Requests you expect at once: the workload the backend is chosen for.")
     ] = None,
-    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1: this machine only).")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Address to bind (default 127.0.0.1: this machine only).")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8000); 0 picks a free one.")] = None,
     api_key: Annotated[
         str | None,
