@@ -245,12 +245,6 @@ def _logprob_counts(client: Any, prompt: str, **kw: Any) -> dict[str, int]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a stream drops the last token's logprob when that token adds no text (it completes a "
-    "stop string, or is a byte left incomplete): _openai._sse sends the final chunk's event only if it "
-    "has text; the whole answer has them all",
-)
 def test_streamed_logprobs_cover_every_generated_token(setup: Setup) -> None:
     client = setup.client()
     prompt = "Once upon a time"

@@ -130,9 +130,11 @@ async def stream(
                         record.completion_tokens = usage.completion_tokens
                         m.prompt_tokens.inc(usage.prompt_tokens)
                         m.generation_tokens.inc(usage.completion_tokens)
-                    if first:  # nothing was generated: the end is the first answer
+                    if first:  # nothing came before: the end is the first answer
                         record.ttft_s = now - arrived
                         m.ttft.observe(now - arrived)
+                    elif chunk.token_ids:  # the last token's own gap
+                        itl(now - last)
                     m.e2e.observe(now - arrived)
                 elif first:
                     first = False

@@ -159,8 +159,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     head = base + ',"choices":[{"index":0,'
     usage_too = bool(body.stream_options and body.stream_options.include_usage)
 
+    sent = [0]  # text sent so far: where the next chunk's tokens start
+
     def event(chunk: Chunk) -> str:
-        lp = _dumps(_completion_logprobs(engine, chunk.token_ids, chunk.logprobs)) if want_lp else "null"
+        lp = "null"
+        if want_lp:
+            lp = _dumps(_completion_logprobs(engine, chunk.token_ids, chunk.logprobs, sent[0]))
+            sent[0] += len(chunk.text)
         text = _dumps(chunk.text)
         return f'data: {head}"text":{text},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
 
@@ -197,8 +202,9 @@ async def _sse(
                 yield opening
             chunk = first
             while True:
-                if chunk.finish_reason is not None:  # it may carry the last piece of text
-                    yield (event(chunk) if chunk.text else "") + last(chunk) + _DONE
+                if chunk.finish_reason is not None:  # it may carry the last token, text or not
+                    piece = chunk.text or (keep_empty and chunk.token_ids)
+                    yield (event(chunk) if piece else "") + last(chunk) + _DONE
                     return
                 if chunk.text or keep_empty:
                     yield event(chunk)
@@ -235,10 +241,11 @@ def _chat_logprobs(engine: Engine[Any], ids: Sequence[int], lps: Sequence[float]
 
 
 def _completion_logprobs(
-    engine: Engine[Any], ids: Sequence[int], lps: Sequence[float] | None
+    engine: Engine[Any], ids: Sequence[int], lps: Sequence[float] | None, at: int = 0
 ) -> dict[str, Any]:
+    """OpenAI's completions logprobs; ``at`` is where these tokens start in the whole text."""
     tokens = [engine.detokenize([t]) for t in ids]
-    offsets, at = [], 0
+    offsets = []
     for t in tokens:
         offsets.append(at)
         at += len(t)
