@@ -117,6 +117,7 @@ def _run(cfg: Any, pool: Any) -> None:
         raise _bad(
             f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}; pick another --port"
         ) from exc
+    sock.listen(2048)  # connections queue from now on, before uvicorn starts serving them
     bound = sock.getsockname()[1]
     shown = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
     aliases = ", ".join(s.alias for s in cfg.models)
