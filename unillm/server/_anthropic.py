@@ -8,9 +8,8 @@ the reply, ``stop_sequence`` (naming it) when one of ``stop_sequences`` did, els
 
 from __future__ import annotations
 
-import json
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -18,10 +17,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from unillm._run import afold
 from unillm.server._generate import ApiError, sampling, stream
-from unillm.server._request import engine_for, record_of, render, unless_gone
+from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
 
 # FastAPI reads the body models from the annotations at runtime
-from unillm.server._schemas import AnthropicBlock, MessagesRequest
+from unillm.server._schemas import MessagesRequest
 
 if TYPE_CHECKING:
     from unillm._types import Chunk
@@ -29,24 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["router"]
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
 router = APIRouter()
-
-
-def _text(content: str | Sequence[AnthropicBlock], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for block in content:
-        if block.type != "text" or block.text is None:
-            raise ApiError(
-                400, f"{where} has a {block.type!r} block: this server takes text only", param=where
-            )
-        parts.append(block.text)
-    return "\n".join(parts)
 
 
 def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | None]:
@@ -66,9 +48,9 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         raise ApiError(400, "extended thinking is not served by this server; leave it out", param="thinking")
     msgs = []
     if body.system is not None:
-        msgs.append({"role": "system", "content": _text(body.system, "system")})
+        msgs.append({"role": "system", "content": text_of(body.system, "system")})
     for i, m in enumerate(body.messages):
-        msgs.append({"role": m.role, "content": _text(m.content, f"messages[{i}].content")})
+        msgs.append({"role": m.role, "content": text_of(m.content, f"messages[{i}].content")})
     slot, engine = await engine_for(state, body.model, record)
     prompt = await render(engine, msgs)
     stops = tuple(body.stop_sequences or ())
@@ -107,7 +89,7 @@ def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {_dumps({'type': kind, **data})}\n\n"
+    return f"event: {kind}\ndata: {dumps({'type': kind, **data})}\n\n"
 
 
 async def _events(
@@ -128,7 +110,7 @@ async def _events(
         chunk = first
         while True:
             if chunk.text:  # the last chunk may carry the last piece of text too
-                yield f"{delta}{_dumps(chunk.text)}}}}}\n\n"
+                yield f"{delta}{dumps(chunk.text)}}}}}\n\n"
             if chunk.finish_reason is not None:
                 break
             chunk = await anext(chunks)

@@ -8,7 +8,6 @@ per request (the JSON encoder runs on the token text only).
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -22,6 +21,7 @@ from unillm.server._generate import ApiError, stream
 from unillm.server._request import (
     chat_prompt,
     check_common,
+    dumps,
     engine_for,
     openai_sampling,
     record_of,
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
     from unillm._types import Chunk, Usage
 
 __all__ = ["router"]
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 router = APIRouter()
@@ -94,28 +90,13 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             "logprobs": _chat_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
         }
-        return JSONResponse(
-            {"id": cid, "object": "chat.completion", "created": created, "model": slot.alias,
-             "choices": [choice], "usage": usage_json(done.usage)}
-        )  # fmt: skip
-    base = _dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": slot.alias})[
-        :-1
-    ]
-    head = base + ',"choices":[{"index":0,'
-    usage_too = bool(body.stream_options and body.stream_options.include_usage)
+        return _whole(cid, "chat.completion", created, slot.alias, choice, done.usage)
+    head, last = _framing(cid, "chat.completion.chunk", created, slot.alias, body, '"delta":{}')
 
     def event(chunk: Chunk) -> str:
-        lp = _dumps(_chat_logprobs(engine, chunk.token_ids, chunk.logprobs)) if want_lp else "null"
-        text = _dumps(chunk.text)
+        lp = dumps(_chat_logprobs(engine, chunk.token_ids, chunk.logprobs)) if want_lp else "null"
+        text = dumps(chunk.text)
         return f'data: {head}"delta":{{"content":{text}}},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
-
-    def last(chunk: Chunk) -> str:
-        reason = _finish(chunk.finish_reason)
-        out = f'data: {head}"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'
-        if usage_too:
-            usage = _dumps(usage_json(chunk.usage))
-            out += f'data: {base},"choices":[],"usage":{usage}}}\n\n'
-        return out
 
     role = (
         f'data: {head}"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}'
@@ -151,34 +132,45 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             "logprobs": _completion_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
         }
-        return JSONResponse(
-            {"id": cid, "object": "text_completion", "created": created, "model": slot.alias,
-             "choices": [choice], "usage": usage_json(done.usage)}
-        )  # fmt: skip
-    base = _dumps({"id": cid, "object": "text_completion", "created": created, "model": slot.alias})[:-1]
-    head = base + ',"choices":[{"index":0,'
-    usage_too = bool(body.stream_options and body.stream_options.include_usage)
+        return _whole(cid, "text_completion", created, slot.alias, choice, done.usage)
+    head, last = _framing(cid, "text_completion", created, slot.alias, body, '"text":""')
 
     sent = [0]  # text sent so far: where the next chunk's tokens start
 
     def event(chunk: Chunk) -> str:
         lp = "null"
         if want_lp:
-            lp = _dumps(_completion_logprobs(engine, chunk.token_ids, chunk.logprobs, sent[0]))
+            lp = dumps(_completion_logprobs(engine, chunk.token_ids, chunk.logprobs, sent[0]))
             sent[0] += len(chunk.text)
-        text = _dumps(chunk.text)
+        text = dumps(chunk.text)
         return f'data: {head}"text":{text},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
 
+    return await _sse(request, chunks, event, last, "", want_lp)
+
+
+def _whole(
+    cid: str, obj: str, created: int, alias: str, choice: dict[str, Any], usage: Usage
+) -> JSONResponse:
+    """A whole (non-streamed) answer."""
+    body = {"id": cid, "object": obj, "created": created, "model": alias, "choices": [choice]}
+    return JSONResponse({**body, "usage": usage_json(usage)})
+
+
+def _framing(cid: str, obj: str, created: int, alias: str, body: Any, empty: str) -> tuple[str, Any]:
+    """A stream's event prefix (up to the choice's fields), and the function that writes its end:
+    the finish reason on an ``empty`` choice, then the usage chunk when the request asked for it."""
+    base = dumps({"id": cid, "object": obj, "created": created, "model": alias})[:-1]
+    head = base + ',"choices":[{"index":0,'
+    usage_too = bool(body.stream_options and body.stream_options.include_usage)
+
     def last(chunk: Chunk) -> str:
-        out = (
-            f'data: {head}"text":"","logprobs":null,"finish_reason":"{_finish(chunk.finish_reason)}"}}]}}\n\n'
-        )
+        reason = _finish(chunk.finish_reason)
+        out = f'data: {head}{empty},"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'
         if usage_too:
-            usage = _dumps(usage_json(chunk.usage))
-            out += f'data: {base},"choices":[],"usage":{usage}}}\n\n'
+            out += f'data: {base},"choices":[],"usage":{dumps(usage_json(chunk.usage))}}}\n\n'
         return out
 
-    return await _sse(request, chunks, event, last, "", want_lp)
+    return head, last
 
 
 async def _sse(
@@ -210,12 +202,12 @@ async def _sse(
                     yield event(chunk)
                 chunk = await anext(chunks)
         except ApiError as exc:
-            yield ("data: " + _dumps({"error": {"message": exc.message, "type": exc.type}}) + "\n\n" + _DONE)
+            yield ("data: " + dumps({"error": {"message": exc.message, "type": exc.type}}) + "\n\n" + _DONE)
         except Exception as exc:
             from unillm.server._errors import public_message
 
             msg = {"error": {"message": public_message(exc, None), "type": "server_error"}}
-            yield "data: " + _dumps(msg) + "\n\n" + _DONE
+            yield "data: " + dumps(msg) + "\n\n" + _DONE
         finally:
             await chunks.aclose()
 

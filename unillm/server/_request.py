@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,7 +20,10 @@ if TYPE_CHECKING:
     from unillm.server._pool import Slot
     from unillm.server._schemas import ChatMessageIn, _Sampling
 
-__all__ = ["chat_prompt", "check_common", "engine_for", "openai_sampling", "record_of", "unless_gone"]
+__all__ = [
+    "chat_prompt", "check_common", "dumps", "engine_for", "openai_sampling", "record_of", "text_of",
+    "unless_gone",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -132,7 +136,12 @@ async def chat_prompt(engine: Engine[Any], messages: Sequence[ChatMessageIn]) ->
     for i, m in enumerate(messages):
         if m.tool_calls or m.role == "tool":
             raise ApiError(400, "tool messages are not served yet", param=f"messages[{i}]")
-        plain.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, i)})
+        plain.append(
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": text_of(m.content, f"messages[{i}].content"),
+            }
+        )
     return await render(engine, plain)
 
 
@@ -144,7 +153,9 @@ async def render(engine: Engine[Any], messages: list[dict[str, str]]) -> str:
         raise ApiError(400, str(exc), param="messages") from exc
 
 
-def _text(content: Any, i: int) -> str:
+def text_of(content: Any, where: str) -> str:
+    """The text of a message's content: a string, or text parts/blocks (OpenAI's parts and
+    Anthropic's blocks alike) joined by newlines; any other kind of part is a 400 naming ``where``."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -152,9 +163,11 @@ def _text(content: Any, i: int) -> str:
     parts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise ApiError(
-                400, f"messages[{i}] has a {part.type!r} part: this server takes text only",
-                param=f"messages[{i}].content",
-            )  # fmt: skip
+            raise ApiError(400, f"{where} has a {part.type!r} part: this server takes text only", param=where)
         parts.append(part.text)
     return "\n".join(parts)
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON, as the events on the wire carry it."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
