@@ -1,0 +1,74 @@
+"""What each kind of OpenAI-compatible server honours, and how a model or URL is named to it.
+
+The kind comes from ``/v1/models`` (``owned_by``: ``unillm``, ``vllm``, ``sglang``, ``llamacpp``
+for llama.cpp's ``llama-server``, ``me`` for llama-cpp-python's server); a server that says
+nothing of itself (``mlx_lm.server``, a hosted API) is ``openai``: only the parameters OpenAI's
+own API defines are sent to it, unless the ``server_kind`` option names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["OWNED_BY", "RENAMED", "SAMPLING", "TOKENIZER", "TOKEN_PROMPTS", "OPENAI", "auth", "match", "root"]
+
+
+OPENAI = frozenset(
+    {"max_tokens", "stop", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"}
+)
+_VLLM_LIKE = OPENAI | {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens"}
+SAMPLING: dict[str, frozenset[str]] = {
+    "unillm": _VLLM_LIKE | {"logit_bias"},
+    "vllm": _VLLM_LIKE | {"logit_bias"},
+    "sglang": _VLLM_LIKE,
+    "llama.cpp": OPENAI | {"top_k", "min_p", "repetition_penalty"},
+    "llama-cpp-python": OPENAI | {"top_k", "min_p", "repetition_penalty", "logit_bias"},
+    "mlx": OPENAI | {"top_k", "min_p", "repetition_penalty", "logit_bias"},
+    "openai": OPENAI,
+}
+TOKEN_PROMPTS = frozenset({"unillm", "vllm", "sglang", "llama.cpp", "llama-cpp-python"})
+OWNED_BY = {
+    "unillm": "unillm",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "llamacpp": "llama.cpp",
+    "me": "llama-cpp-python",
+}
+# the name each kind gives repetition_penalty on the wire
+RENAMED = {
+    "llama.cpp": {"repetition_penalty": "repeat_penalty"},
+    "llama-cpp-python": {"repetition_penalty": "repeat_penalty"},
+}
+# (tokenize route, its body's text field, detokenize route, its answer's text field)
+TOKENIZER = {
+    "unillm": ("/tokenize", "prompt", "/detokenize", "prompt"),
+    "vllm": ("/tokenize", "prompt", "/detokenize", "prompt"),
+    "sglang": ("/tokenize", "prompt", "/detokenize", "text"),
+    "llama.cpp": ("/tokenize", "content", "/detokenize", "content"),
+    "llama-cpp-python": ("/extras/tokenize", "input", "/extras/detokenize", "text"),
+}
+
+
+def root(base: str) -> str:
+    """``http://host:port`` from a base URL given with or without ``/v1``."""
+    root = base.strip().rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
+def auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def match(model: str, served: Sequence[str]) -> str | None:
+    """The served id that names ``model``: the same string, or its file name, or its stem."""
+    if model in served:
+        return model
+    p = Path(model)
+    for candidate in (p.name, p.stem):
+        if candidate and candidate in served:
+            return candidate
+    for s in served:  # the server lists a path (llama-cpp-python, mlx_lm): compare its name
+        if Path(s).name in (p.name, model) or Path(s).stem in (p.stem, model):
+            return s
+    return None

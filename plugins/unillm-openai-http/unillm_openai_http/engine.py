@@ -1,0 +1,426 @@
+"""``OpenAIHTTPEngine``: a unillm Engine over any OpenAI-compatible HTTP server.
+
+vLLM's ``vllm serve``, SGLang, TGI, llama.cpp's ``llama-server``, llama-cpp-python's
+``python -m llama_cpp.server``, ``mlx_lm.server`` and ``unillm serve`` all speak
+``/v1/completions`` and ``/v1/chat/completions``; this backend streams both over server-sent events.
+The server owns the model: "load" asks ``/v1/models`` what it serves and what kind of server it is,
+which decides the sampling parameters it honours (the rest are refused, per the config's
+``unsupported_params`` policy), whether it takes token-id prompts, and where its tokenizer is.
+
+Usage is the server's own (``stream_options.include_usage``) when it sends it; otherwise it is
+counted here: one completion token per streamed event, the prompt through the server's tokenizer
+route. Token ids are the server's where it streams them (vLLM's ``token_ids``); the others stream
+text only, so chunks carry no ids there. Timings are measured here, on the client's clock.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from time import perf_counter
+from typing import Any, ClassVar, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from unillm import ChatMessage, Chunk, ConfigError, KVStats, SamplingParams
+from unillm.backend import Availability, Capabilities, Engine, RawPiece, Request, Suitability, check_text
+from unillm_openai_http._errors import ServedModelNotFound, ServerFailed, TokenizerUnavailable
+from unillm_openai_http._http import Event, Wire, aevents, events
+from unillm_openai_http._metrics import kv_from_metrics
+from unillm_openai_http._servers import (
+    OPENAI,
+    OWNED_BY,
+    RENAMED,
+    SAMPLING,
+    TOKEN_PROMPTS,
+    TOKENIZER,
+    auth,
+    match,
+    root,
+)
+
+__all__ = ["BASE_URL_ENV", "OpenAIHTTPEngine", "OpenAIHTTPOptions"]
+
+BASE_URL_ENV = "UNILLM_OPENAI_BASE_URL"
+API_KEY_ENV = "UNILLM_OPENAI_API_KEY"
+Kind = Literal["auto", "unillm", "vllm", "sglang", "llama.cpp", "llama-cpp-python", "mlx", "openai"]
+
+
+# ---- options ----
+
+
+class OpenAIHTTPOptions(BaseModel):
+    """Where the server is and how to talk to it (``options`` / ``backend_options["openai-http"]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str | None = Field(
+        None,
+        description="The server's root, http://host:port (a trailing /v1 is fine). "
+        f"Default: ${BASE_URL_ENV}.",
+    )
+    model_name: str | None = Field(
+        None, description="The model's id on the server (GET /v1/models). Default: the config's model, "
+        "matched against what the server lists by id, file name or stem.",
+    )  # fmt: skip
+    api_key: str | None = Field(
+        None, repr=False, description=f"Sent as 'Authorization: Bearer <key>'. Default: ${API_KEY_ENV}."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Longest wait to connect, per attempt.")
+    read_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for the next bytes of an answer (the first token included)."
+    )
+    retries: int = Field(
+        3, ge=0, le=1000, description="Attempts after the first on a refused connection, a connect "
+        "timeout or HTTP 429/503; only before any token arrived, never mid-stream.",
+    )  # fmt: skip
+    retry_backoff_s: float = Field(0.25, ge=0, description="Wait before the first retry; doubles after each.")
+    max_backoff_s: float = Field(
+        4.0, ge=0, description="Longest wait between attempts, Retry-After included."
+    )
+    server_kind: Kind = Field(
+        "auto", description="What the server is; 'auto' reads it from /v1/models (owned_by). It decides "
+        "the sampling parameters sent and where the tokenizer is.",
+    )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Call:
+    """One request: where it goes and what it sends; ``_stream`` fills in what came back."""
+
+    path: str
+    body: dict[str, Any]
+    prompt: str | list[int] | None = None  # what to count client-side if the server sends no usage
+    usage: Mapping[str, Any] | None = None
+    finish: str | None = None
+    events: int = 0
+    completion: int = 0
+    settled: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
+    """An Engine whose model runs in an OpenAI-compatible server, reached over HTTP."""
+
+    name: ClassVar[str] = "openai-http"
+    # no model detector reports this format: the server, not a file, is what this backend reads
+    formats: ClassVar[frozenset[str]] = frozenset({"openai-http"})
+    # a server schedules its own requests, so many callers stream at once (batching=True keeps
+    # the base class from serializing them, and astream native on the caller's loop)
+    capabilities: ClassVar[Capabilities] = Capabilities(sampling=OPENAI, batching=True, token_prompts=False)
+    Options: ClassVar[type[BaseModel]] = OpenAIHTTPOptions
+    install_hint: ClassVar[str | None] = "pip install unillm-openai-http"
+
+    # ---- availability and suitability (class level: cheap) ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        return Availability(True, version=httpx.__version__)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
+        """Eligible only with ``$UNILLM_OPENAI_BASE_URL`` set (the selector sees no options) and
+        a server there that lists this model in ``/v1/models``; blocked otherwise, saying why."""
+        base = os.environ.get(BASE_URL_ENV)
+        if not base:
+            return Suitability(
+                0.0,
+                blockers=(
+                    f"no server configured: set ${BASE_URL_ENV}, or pass backend='openai-http' "
+                    "with options base_url",
+                ),
+            )
+        url = root(base)
+        try:
+            r = httpx.get(url + "/v1/models", headers=auth(os.environ.get(API_KEY_ENV)), timeout=2.0)
+            r.raise_for_status()
+            served = [str(m.get("id")) for m in r.json().get("data", []) if isinstance(m, dict)]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            return Suitability(0.0, blockers=(f"the server at {url} did not list its models: {exc}",))
+        found = match(str(getattr(model, "path", "") or ""), served)
+        if found is None:
+            return Suitability(
+                0.0, blockers=(f"{url} serves {', '.join(served) or 'nothing'}, not this model",)
+            )
+        return Suitability(1.0, reasons=(f"{url} serves it as {found!r}: already loaded there",))
+
+    # ---- load ----
+
+    def _load(self) -> None:
+        opts = self.options
+        base = opts.base_url or os.environ.get(BASE_URL_ENV)
+        if not base:
+            raise ConfigError(f"openai-http needs the server's URL: set options base_url or ${BASE_URL_ENV}")
+        headers = {**auth(opts.api_key or os.environ.get(API_KEY_ENV)), "Accept": "application/json"}
+        timeout = httpx.Timeout(opts.read_timeout_s, connect=opts.connect_timeout_s)
+        wire = Wire(root(base), headers, timeout, opts.retries, opts.retry_backoff_s, opts.max_backoff_s)
+        wire.model = opts.model_name or self.config.model
+        try:
+            answer = wire.open("GET", "/v1/models")
+        except BaseException:
+            wire.close()
+            raise
+        try:  # (not around open(): a ConfigError raised there is a ValueError too)
+            listed = answer.json().get("data", [])
+        except (ValueError, AttributeError) as exc:
+            wire.close()
+            raise ServerFailed(wire.url("/v1/models"), 200, "the answer is not a model list") from exc
+        entries = {str(m.get("id")): m for m in listed if isinstance(m, dict)}
+        name = opts.model_name if opts.model_name in entries else match(wire.model, list(entries))
+        if name is None:
+            wire.close()
+            raise ServedModelNotFound(wire.url("/v1/models"), wire.model, list(entries))
+        entry = entries[name]
+        kind = (
+            opts.server_kind
+            if opts.server_kind != "auto"
+            else OWNED_BY.get(str(entry.get("owned_by")), "openai")
+        )
+        wire.model, self._wire, self._kind, self._served = name, wire, kind, name
+        self.capabilities = replace(
+            self.capabilities, sampling=SAMPLING[kind], token_prompts=kind in TOKEN_PROMPTS
+        )
+        ctx = entry.get("max_model_len")
+        self.context_length = ctx if isinstance(ctx, int) else None
+
+    @property
+    def server_kind(self) -> str:
+        """What the server is, as read from ``/v1/models`` (or the server_kind option)."""
+        return self._kind
+
+    # ---- stream: completions and chat, sync and async ----
+
+    def _body(self, params: SamplingParams, **what: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self._served, **what, "max_tokens": params.max_tokens}
+        body["temperature"] = params.temperature
+        renamed = RENAMED.get(self._kind, {})
+        fields = SamplingParams.model_fields
+        for name in sorted(self.capabilities.sampling - {"max_tokens", "temperature"}):
+            value = getattr(params, name)
+            if value != fields[name].default:
+                body[renamed.get(name, name)] = list(value) if isinstance(value, tuple) else value
+        if params.logit_bias and "logit_bias" in body:
+            body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+        return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> _Call:
+        sent = prompt if isinstance(prompt, str) else list(prompt)
+        return _Call("/v1/completions", self._body(params, prompt=sent), prompt=sent)
+
+    def _chat_call(
+        self, messages: Sequence[ChatMessage | Mapping[str, Any]], params: SamplingParams
+    ) -> _Call:
+        if isinstance(messages, (str, bytes, Mapping)) or not messages:
+            raise ConfigError(
+                "chat() takes a non-empty list of messages: [{'role': 'user', 'content': '...'}]"
+            )
+        msgs = [ChatMessage.coerce(m) for m in messages]
+        for m in msgs:
+            check_text(m.content, "chat content must be")
+        return _Call(
+            "/v1/chat/completions",
+            self._body(params, messages=[{"role": m.role, "content": m.content} for m in msgs]),
+        )
+
+    def _stream(self, call: _Call, params: SamplingParams, req: Request) -> Iterator[RawPiece]:
+        url = self._wire.url(call.path)
+        response = self._wire.open("POST", call.path, call.body, stream=True)
+        try:
+            for event in events(response, url):
+                piece = self._read(call, event, url)
+                if piece is not None:
+                    yield piece
+        finally:
+            response.close()  # an early close is a disconnect the server sees
+            # the prompt is counted on the server's tokenizer only after an answer that ended
+            # well: never inside a break, a failure or a retry loop against a server that is gone
+            self._settle(call, req, tokenize=call.finish is not None)
+
+    async def _astream(
+        self, call: _Call, params: SamplingParams, req: Request
+    ) -> AsyncGenerator[RawPiece, None]:
+        url = self._wire.url(call.path)
+        response = await self._wire.aopen("POST", call.path, call.body)
+        try:
+            async for event in aevents(response, url):
+                piece = self._read(call, event, url)
+                if piece is not None:
+                    yield piece
+        finally:
+            await response.aclose()
+            self._settle(call, req, tokenize=False)
+
+    def _read(self, call: _Call, event: Event, url: str) -> RawPiece | None:
+        if event.error is not None:
+            raise ServerFailed(url, None, event.error)
+        if event.usage is not None:
+            call.usage = event.usage
+        if event.finish_reason is not None:
+            call.finish = event.finish_reason
+        if event.text is None or (event.text == "" and event.finish_reason is not None):
+            return None  # the closing event adds no token
+        call.events += max(1, len(event.token_ids))
+        return event.text, event.token_ids, None
+
+    def _settle(self, call: _Call, req: Request, *, tokenize: bool = True) -> None:
+        """Fill ``req`` from the server's usage, or count it here when the server sent none."""
+        if call.settled:
+            return
+        call.settled = True
+        req.finish_reason = "length" if call.finish == "length" else "stop"
+        usage = call.usage
+        if usage is not None and isinstance(usage.get("completion_tokens"), int):
+            req.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            call.completion = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            req.cached_tokens = cached if isinstance(cached, int) else None
+            call.extra["usage_source"] = "server"
+            return
+        call.completion, call.extra["usage_source"] = call.events, "client"
+        if isinstance(call.prompt, list):
+            req.prompt_tokens = len(call.prompt)
+        elif isinstance(call.prompt, str) and tokenize and self._kind in TOKENIZER:
+            try:
+                req.prompt_tokens = len(self._tokenize(call.prompt))
+            except Exception:  # counting is best effort: the answer itself is already here
+                req.prompt_tokens = 0
+
+    # The base class counts completion tokens as the ids streamed; a server that streams text
+    # only reports them in its usage (or they are counted per event here), so the last chunk's
+    # usage and decode rate are replaced with those counts (notes: openai_http_core_needs.md).
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> Iterator[Chunk]:
+        sp = self._params(params, overrides)
+        t0 = perf_counter()
+        call = self._prepare(prompt, sp)
+        return _counted(self._drive(call, sp, t0), call)
+
+    def stream_chat(
+        self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Iterator[Chunk]:
+        """The server's own chat (``/v1/chat/completions``, its template), unless the config
+        gives a ``chat_template``: then it is rendered here and sent to ``/v1/completions``."""
+        if self.config.chat_template:
+            return super().stream_chat(messages, params, **overrides)
+        sp = self._params(params, overrides)
+        t0 = perf_counter()
+        self._enter()  # EngineClosed now, not at the first token
+        self._leave()
+        call = self._chat_call(messages, sp)
+        return _counted(self._drive(call, sp, t0), call)
+
+    async def astream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> AsyncIterator[Chunk]:
+        sp = self._params(params, overrides)
+        t0 = perf_counter()
+        call = self._prepare(prompt, sp)
+        async for chunk in _acounted(self._adrive(call, sp, t0), call):
+            yield chunk
+
+    async def astream_chat(
+        self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> AsyncIterator[Chunk]:
+        if self.config.chat_template:
+            async for chunk in super().astream_chat(messages, params, **overrides):
+                yield chunk
+            return
+        sp = self._params(params, overrides)
+        if not self.loaded:
+            raise self._closed_error()
+        call = self._chat_call(messages, sp)
+        async for chunk in _acounted(self._adrive(call, sp, perf_counter()), call):
+            yield chunk
+
+    # ---- tokenizer, kv_stats, close ----
+
+    def _tokenize(self, text: str) -> list[int]:
+        route = TOKENIZER.get(self._kind)
+        if route is None:
+            raise TokenizerUnavailable(self._wire.base, self._kind)
+        body: dict[str, Any] = {route[1]: text}
+        if self._kind != "llama.cpp":
+            body["model"] = self._served
+        if self._kind in ("vllm", "sglang"):
+            body["add_special_tokens"] = False
+        tokens = self._wire.open("POST", route[0], body).json().get("tokens")
+        if not isinstance(tokens, list):
+            raise ServerFailed(self._wire.url(route[0]), 200, "the answer holds no 'tokens' list")
+        return [int(t) for t in tokens]
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` from the server's tokenize route (``TokenizerUnavailable`` when
+        it has none)."""
+        return self._tokenize(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` from the server's detokenize route."""
+        route = TOKENIZER.get(self._kind)
+        if route is None:
+            raise TokenizerUnavailable(self._wire.base, self._kind)
+        body: dict[str, Any] = {"tokens": list(ids)}
+        if self._kind not in ("llama.cpp", "llama-cpp-python"):
+            body["model"] = self._served
+        text = self._wire.open("POST", route[2], body).json().get(route[3])
+        if not isinstance(text, str):
+            raise ServerFailed(self._wire.url(route[2]), 200, f"the answer holds no {route[3]!r} text")
+        return text
+
+    def kv_stats(self) -> KVStats:
+        """The KV cache as the server's ``/metrics`` tells it (vLLM, SGLang, llama.cpp and
+        ``unillm serve`` gauges); all None when it publishes none."""
+        try:
+            response = self._wire.client().get("/metrics")
+        except httpx.HTTPError:
+            return KVStats()
+        if response.status_code != 200:
+            return KVStats()
+        return kv_from_metrics(response.text, self._served)
+
+    def _close(self) -> None:
+        self._wire.close()
+
+    async def aclose(self) -> None:
+        wire = getattr(self, "_wire", None)
+        if wire is not None and self.loaded:
+            await wire.aclose()  # its sockets belong to this loop: close them here
+        await super().aclose()
+
+
+def _counted(chunks: Iterator[Chunk], call: _Call) -> Iterator[Chunk]:
+    try:
+        for chunk in chunks:
+            yield _final(chunk, call) if chunk.finish_reason is not None else chunk
+    finally:
+        chunks.close()  # type: ignore[attr-defined]
+
+
+async def _acounted(chunks: AsyncGenerator[Chunk, None], call: _Call) -> AsyncIterator[Chunk]:
+    try:
+        async for chunk in chunks:
+            yield _final(chunk, call) if chunk.finish_reason is not None else chunk
+    finally:
+        await chunks.aclose()
+
+
+def _final(chunk: Chunk, call: _Call) -> Chunk:
+    """The last chunk with the completion count the server reported (or counted per event)."""
+    if chunk.usage is None or chunk.timings is None or not call.settled:
+        return chunk
+    n = max(call.completion, chunk.usage.completion_tokens)
+    t = chunk.timings
+    rate = (n - 1) / t.decode_s if t.decode_s > 0 and n > 1 else None
+    return replace(
+        chunk, usage=replace(chunk.usage, completion_tokens=n), timings=replace(t, decode_tokens_per_s=rate)
+    )
