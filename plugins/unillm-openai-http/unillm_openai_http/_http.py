@@ -217,7 +217,10 @@ def parse_event(line: str, url: str) -> Event | None:
         return Event(usage=usage)
     choice = choices[0]
     if "delta" in choice:  # chat
-        content = (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        content = delta.get("content")
+        if content == "" and "role" in delta:
+            content = None  # the opening delta names the role; a token is still to come
     else:
         content = choice.get("text")
     ids = choice.get("token_ids")  # vLLM sends them when asked (return_token_ids)

@@ -228,8 +228,12 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         url = self._wire.url(call.path)
         response = self._wire.open("POST", call.path, call.body, stream=True)
         try:
-            for event in events(response, url):
+            stream = events(response, url)
+            for event in stream:
                 piece = self._read(call, event, url)
+                if event.finish_reason is not None:  # read the usage event behind it now: the
+                    for rest in stream:  # base class may stop at this piece (max_tokens, a stop)
+                        self._read(call, rest, url)
                 if piece is not None:
                     yield piece
         finally:
@@ -244,8 +248,12 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         url = self._wire.url(call.path)
         response = await self._wire.aopen("POST", call.path, call.body)
         try:
-            async for event in aevents(response, url):
+            stream = aevents(response, url)
+            async for event in stream:
                 piece = self._read(call, event, url)
+                if event.finish_reason is not None:
+                    async for rest in stream:
+                        self._read(call, rest, url)
                 if piece is not None:
                     yield piece
         finally:

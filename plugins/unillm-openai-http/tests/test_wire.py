@@ -1,0 +1,166 @@
+"""What needs no model: the hook, the options, reading each server family's /metrics, and the
+retry policy against a scripted HTTP server on loopback (429/503 answers a real server gives
+under load, which the model servers here cannot be made to give on demand)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+import unillm_openai_http
+from unillm_openai_http._errors import ServerBusy, ServerFailed
+from unillm_openai_http._http import parse_event
+from unillm_openai_http._metrics import kv_from_metrics
+from unillm_openai_http.engine import OpenAIHTTPEngine
+
+from unillm import ConfigError, KVStats, Registry
+
+VLLM = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 120.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 48.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="64",engine="0"} 1.0
+"""
+SGLANG = """sglang:num_used_tokens{model_name="m"} 300.0
+sglang:max_total_num_tokens{model_name="m"} 1200.0
+sglang:page_size{model_name="m"} 1.0
+"""
+LLAMA_SERVER = "llamacpp:kv_cache_usage_ratio 0.5\nllamacpp:kv_cache_tokens 256\n"
+UNILLM = """unillm:kv_cache_usage_perc{backend="llama.cpp",model_name="a"} 0.5
+unillm:kv_cache_usage_perc{backend="llama.cpp",model_name="b"} 0.1
+unillm:prefix_cache_queries_total{backend="llama.cpp",model_name="a"} 10.0
+unillm:prefix_cache_hits_total{backend="llama.cpp",model_name="a"} 4.0
+unillm:prefix_cache_queries_total{backend="llama.cpp",model_name="b"} 7.0
+unillm:prefix_cache_hits_total{backend="llama.cpp",model_name="b"} 0.0
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "model", "want"),
+    [
+        (
+            VLLM,
+            "m",
+            KVStats(
+                capacity_tokens=1024, used_tokens=256, block_size=16, total_blocks=64, used_blocks=16,
+                prefix_cache_queries=120, prefix_cache_hits=48,
+            ),
+        ),
+        (SGLANG, "m", KVStats(capacity_tokens=1200, used_tokens=300, block_size=1)),
+        (LLAMA_SERVER, "x", KVStats(capacity_tokens=512, used_tokens=256)),
+        (UNILLM, "b", KVStats(prefix_cache_queries=7, prefix_cache_hits=0)),  # its own model's only
+        ("# nothing here\nprocess_cpu_seconds_total 1.5\n", "m", KVStats()),
+    ],
+    ids=["vllm", "sglang", "llama-server", "unillm-serve", "none"],
+)  # fmt: skip
+def test_kv_stats_from_each_servers_metrics(text: str, model: str, want: KVStats) -> None:
+    assert kv_from_metrics(text, model) == want
+
+
+def test_sse_lines() -> None:
+    url = "http://x"
+    assert parse_event(": keepalive 3/8", url) is None and parse_event("", url) is None
+    chat = parse_event('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}', url)
+    assert chat is not None and chat.text is None  # the role opening adds no token
+    both = parse_event('data: {"choices":[{"delta":{"role":"assistant","content":"hi"}}]}', url)
+    assert both is not None and both.text == "hi"  # mlx_lm sends the role with every delta
+    usage = parse_event('data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}', url)
+    assert usage is not None and usage.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+    with pytest.raises(ServerFailed, match="not JSON"):
+        parse_event("data: {broken", url)
+
+
+def test_registers_through_its_hook_and_validates_its_options() -> None:
+    registry = Registry(builtins=False, entry_points=False)
+    registry.register_plugin(unillm_openai_http, name="openai-http")
+    assert registry.failures == []
+    assert registry.get("openai-http") is OpenAIHTTPEngine
+    with pytest.raises(ConfigError, match="base_uri"):
+        OpenAIHTTPEngine({"model": "m", "options": {"base_uri": "http://x"}})
+    with pytest.raises(ConfigError, match="retries"):
+        OpenAIHTTPEngine({"model": "m", "options": {"retries": -1}})
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    """Answers each request with the next of ``script``: (status, headers, body)."""
+
+    script: ClassVar[list[tuple[int, dict[str, str], bytes]]] = []
+    seen: ClassVar[list[str]] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        type(self).seen.append(self.path)
+        status, headers, body = type(self).script.pop(0)
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, type[_Scripted]]]:
+    handler = type("Handler", (_Scripted,), {"script": [], "seen": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+MODELS = (200, {"Content-Type": "application/json"}, _json({"data": [{"id": "m", "owned_by": "vllm"}]}))
+BUSY = (503, {"Retry-After": "0"}, _json({"error": {"message": "loading"}}))
+FULL = (429, {}, _json({"error": {"message": "queue full"}}))
+
+
+def _sse(*events: Any) -> tuple[int, dict[str, str], bytes]:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return 200, {"Content-Type": "text/event-stream"}, body.encode()
+
+
+def test_429_and_503_are_retried_before_the_answer_starts(scripted: tuple[str, type[_Scripted]]) -> None:
+    url, handler = scripted
+    answer = _sse(
+        {"choices": [{"text": "a", "token_ids": [5]}]},
+        {"choices": [{"text": "b", "token_ids": [6], "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}},
+    )
+    handler.script = [MODELS, BUSY, FULL, answer]
+    options = {"base_url": url, "retries": 2, "retry_backoff_s": 0.0}
+    with OpenAIHTTPEngine({"model": "m", "options": options}) as e:
+        done = e.generate("hi", max_tokens=2)
+        assert (done.text, done.token_ids, done.finish_reason) == ("ab", (5, 6), "length")
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (4, 2)
+        assert handler.seen == ["/v1/models", "/v1/completions", "/v1/completions", "/v1/completions"]
+        handler.script = [BUSY, BUSY, FULL]
+        with pytest.raises(ServerBusy) as info:
+            e.generate("hi")
+        assert info.value.status == 429 and "3 attempt(s)" in str(info.value)
+
+
+def test_an_error_inside_a_started_stream_is_not_replayed(scripted: tuple[str, type[_Scripted]]) -> None:
+    url, handler = scripted
+    broken = _sse({"choices": [{"text": "a"}]}, {"error": {"message": "engine died"}})
+    handler.script = [MODELS, broken, _sse({"choices": [{"text": "never"}]})]
+    engine = OpenAIHTTPEngine({"model": "m", "options": {"base_url": url, "retries": 5}})
+    with engine as e, pytest.raises(ServerFailed, match="engine died"):
+        e.generate("hi")
+    assert handler.seen == ["/v1/models", "/v1/completions"]  # once, and never again
