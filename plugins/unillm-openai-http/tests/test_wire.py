@@ -126,9 +126,14 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
-MODELS = (200, {"Content-Type": "application/json"}, _json({"data": [{"id": "m", "owned_by": "vllm"}]}))
-BUSY = (503, {"Retry-After": "0"}, _json({"error": {"message": "loading"}}))
-FULL = (429, {}, _json({"error": {"message": "queue full"}}))
+Answer = tuple[int, dict[str, str], bytes]
+MODELS: Answer = (
+    200,
+    {"Content-Type": "application/json"},
+    _json({"data": [{"id": "m", "owned_by": "vllm"}]}),
+)
+BUSY: Answer = (503, {"Retry-After": "0"}, _json({"error": {"message": "loading"}}))
+FULL: Answer = (429, {}, _json({"error": {"message": "queue full"}}))
 
 
 def _sse(*events: Any) -> tuple[int, dict[str, str], bytes]:

@@ -89,7 +89,7 @@ class Wire:
     # ---- requests: retried before the answer starts, never after ----
 
     def _wait(self, attempt: int, response: httpx.Response | None) -> float:
-        wait = self.backoff_s * (2**attempt)
+        wait: float = self.backoff_s * 2.0**attempt
         after = response.headers.get("Retry-After") if response is not None else None
         if after is not None:
             with contextlib.suppress(ValueError):

@@ -179,9 +179,10 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
             else OWNED_BY.get(str(entry.get("owned_by")), "openai")
         )
         wire.model, self._wire, self._kind, self._served = name, wire, kind, name
-        self.capabilities = replace(
-            self.capabilities, sampling=SAMPLING[kind], token_prompts=kind in TOKEN_PROMPTS
-        )
+        # what this server honours: known only now, so set on the instance (the class keeps the
+        # OpenAI baseline, which is what the selector and docs read)
+        caps = replace(self.capabilities, sampling=SAMPLING[kind], token_prompts=kind in TOKEN_PROMPTS)
+        self.capabilities = caps  # type: ignore[misc]
         ctx = entry.get("max_model_len")
         self.context_length = ctx if isinstance(ctx, int) else None
 
@@ -414,12 +415,12 @@ def _counted(chunks: Iterator[Chunk], call: _Call) -> Iterator[Chunk]:
         chunks.close()  # type: ignore[attr-defined]
 
 
-async def _acounted(chunks: AsyncGenerator[Chunk, None], call: _Call) -> AsyncIterator[Chunk]:
+async def _acounted(chunks: AsyncIterator[Chunk], call: _Call) -> AsyncIterator[Chunk]:
     try:
         async for chunk in chunks:
             yield _final(chunk, call) if chunk.finish_reason is not None else chunk
     finally:
-        await chunks.aclose()
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 def _final(chunk: Chunk, call: _Call) -> Chunk:
