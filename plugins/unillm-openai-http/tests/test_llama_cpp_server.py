@@ -80,6 +80,7 @@ def test_usage_counted_here_equals_the_servers_whole_answer(
         usage["completion_tokens"],
     )
     assert mine.usage.cached_prompt_tokens is None  # the server does not say: None, not 0
+    assert engine.usage_source == "client"
     streamed = list(engine.stream(prompt, GREEDY))
     assert "".join(c.text for c in streamed) == mine.text
     assert streamed[-1].usage == mine.usage

@@ -111,10 +111,25 @@ def test_streams_piece_by_piece_with_usage_and_timings_last(engine: OpenAIHTTPEn
     assert last.finish_reason == "length" and last.usage is not None and last.timings is not None
     assert last.usage.completion_tokens == GREEDY["max_tokens"]
     assert last.usage.cached_prompt_tokens is not None  # the server reports its prefix cache
+    assert engine.usage_source == "server"
     t = last.timings
     assert t.source == "wall" and 0 < t.ttft_s <= t.total_s
     assert t.decode_tokens_per_s is None or t.decode_tokens_per_s > 0
     assert t.prefill_tokens_per_s is not None and t.prefill_tokens_per_s > 0
+
+
+def test_concurrent_streams_are_not_serialized_here(engine: OpenAIHTTPEngine, local: Any) -> None:
+    async def all_at_once() -> list[str]:
+        done = await asyncio.gather(*(engine.agenerate(p, GREEDY) for p in PROMPTS * 2))
+        return [d.text for d in done]
+
+    assert asyncio.run(all_at_once()) == [local.generate(p, GREEDY).text for p in PROMPTS * 2]
+
+
+def test_max_tokens_one_is_one_token_and_length(engine: OpenAIHTTPEngine, local: Any) -> None:
+    one = engine.generate(PROMPTS[0], {**GREEDY, "max_tokens": 1})
+    want = local.generate(PROMPTS[0], {**GREEDY, "max_tokens": 1})
+    assert (one.text, one.usage.completion_tokens, one.finish_reason) == (want.text, 1, "length")
 
 
 def test_a_stop_string_cuts_as_in_process(engine: OpenAIHTTPEngine, local: Any) -> None:

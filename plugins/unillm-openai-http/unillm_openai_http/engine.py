@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import Any, ClassVar, Literal
 
@@ -98,7 +98,6 @@ class _Call:
     events: int = 0
     completion: int = 0
     settled: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
@@ -179,6 +178,7 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
             else OWNED_BY.get(str(entry.get("owned_by")), "openai")
         )
         wire.model, self._wire, self._kind, self._served = name, wire, kind, name
+        self._usage_source: Literal["server", "client"] | None = None
         # what this server honours: known only now, so set on the instance (the class keeps the
         # OpenAI baseline, which is what the selector and docs read)
         caps = replace(self.capabilities, sampling=SAMPLING[kind], token_prompts=kind in TOKEN_PROMPTS)
@@ -190,6 +190,12 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
     def server_kind(self) -> str:
         """What the server is, as read from ``/v1/models`` (or the server_kind option)."""
         return self._kind
+
+    @property
+    def usage_source(self) -> Literal["server", "client"] | None:
+        """Where the last finished request's usage came from: ``"server"`` (its usage event) or
+        ``"client"`` (counted here: the server ignores ``include_usage``); None before any."""
+        return self._usage_source
 
     # ---- stream: completions and chat, sync and async ----
 
@@ -286,9 +292,9 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
             details = usage.get("prompt_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             req.cached_tokens = cached if isinstance(cached, int) else None
-            call.extra["usage_source"] = "server"
+            self._usage_source = "server"
             return
-        call.completion, call.extra["usage_source"] = call.events, "client"
+        call.completion, self._usage_source = call.events, "client"
         if isinstance(call.prompt, list):
             req.prompt_tokens = len(call.prompt)
         elif isinstance(call.prompt, str) and tokenize and self._kind in TOKENIZER:
