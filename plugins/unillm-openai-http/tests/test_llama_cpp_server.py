@@ -4,6 +4,7 @@ whole (non-streamed) answer to the same request."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +85,7 @@ def test_usage_counted_here_equals_the_servers_whole_answer(
     streamed = list(engine.stream(prompt, GREEDY))
     assert "".join(c.text for c in streamed) == mine.text
     assert streamed[-1].usage == mine.usage
+    assert asyncio.run(engine.agenerate(prompt, GREEDY)).usage == mine.usage  # counted on both paths
 
 
 def test_chat_and_repeat_penalty(engine: OpenAIHTTPEngine, server: Proc, tiny: TinyModel) -> None:

@@ -15,6 +15,7 @@ import unillm_openai_http
 from unillm_openai_http._errors import ServerBusy, ServerFailed
 from unillm_openai_http._http import parse_event
 from unillm_openai_http._metrics import kv_from_metrics
+from unillm_openai_http._servers import match
 from unillm_openai_http.engine import OpenAIHTTPEngine
 
 from unillm import ConfigError, KVStats, Registry
@@ -84,6 +85,21 @@ def test_registers_through_its_hook_and_validates_its_options() -> None:
         OpenAIHTTPEngine({"model": "m", "options": {"base_uri": "http://x"}})
     with pytest.raises(ConfigError, match="retries"):
         OpenAIHTTPEngine({"model": "m", "options": {"retries": -1}})
+
+
+@pytest.mark.parametrize(
+    ("model", "served", "want"),
+    [
+        ("tiny", ["tiny"], "tiny"),
+        ("/models/tiny.gguf", ["tiny"], "tiny"),  # a local path, served under its stem
+        ("tiny.gguf", ["/srv/models/tiny.gguf"], "/srv/models/tiny.gguf"),  # the server lists a path
+        ("/data/hf/", ["/data/hf"], "/data/hf"),
+        ("Qwen2", ["Qwen2.5-7B"], None),  # a dot in a name is not a suffix
+        ("other", ["tiny"], None),
+    ],
+)
+def test_which_served_model_a_config_names(model: str, served: list[str], want: str | None) -> None:
+    assert match(model, served) == want
 
 
 class _Scripted(BaseHTTPRequestHandler):

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -53,7 +53,6 @@ class Wire:
     _client: httpx.Client | None = None
     _aclient: httpx.AsyncClient | None = None
     _aloop: Any = None
-    attempts: list[float] = field(default_factory=list)  # when each retry was decided (for logs)
 
     def client(self) -> httpx.Client:
         if self._client is None:
@@ -154,7 +153,6 @@ class Wire:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _note(self, attempt: int, path: str, why: str) -> None:
-        self.attempts.append(time.monotonic())
         log.info("retrying %s (attempt %d of %d): %s", self.url(path), attempt + 2, self.retries + 1, why)
 
     def _error(self, path: str, response: httpx.Response, attempts: int) -> Exception:

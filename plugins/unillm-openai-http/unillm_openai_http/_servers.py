@@ -60,15 +60,25 @@ def auth(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+_WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin")
+
+
+def _stem(name: str) -> str:
+    """``name`` less a weights-file suffix; other dots stay (``Qwen2.5-7B`` is not ``Qwen2``)."""
+    for suffix in _WEIGHT_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def match(model: str, served: Sequence[str]) -> str | None:
-    """The served id that names ``model``: the same string, or its file name, or its stem."""
+    """The served id that names ``model``: the same string, or the same file name, or the same
+    name less a weights suffix (``.gguf``), on either side (a server may list the path it loaded)."""
     if model in served:
         return model
-    p = Path(model)
-    for candidate in (p.name, p.stem):
-        if candidate and candidate in served:
-            return candidate
-    for s in served:  # the server lists a path (llama-cpp-python, mlx_lm): compare its name
-        if Path(s).name in (p.name, model) or Path(s).stem in (p.stem, model):
+    mine = Path(model.rstrip("/")).name
+    for s in served:
+        theirs = Path(s.rstrip("/")).name
+        if theirs == mine or _stem(theirs) == _stem(mine):
             return s
     return None

@@ -15,6 +15,7 @@ text only, so chunks carry no ids there. Timings are measured here, on the clien
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -265,6 +266,8 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
                     yield piece
         finally:
             await response.aclose()
+            if call.finish is not None and call.usage is None:  # counting asks the server: off the loop
+                await asyncio.to_thread(self._settle, call, req)
             self._settle(call, req, tokenize=False)
 
     def _read(self, call: _Call, event: Event, url: str) -> RawPiece | None:
