@@ -12,10 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
+import unillm_openai_http
 from conftest import Proc, free_port
 from unillm_openai_http.engine import OpenAIHTTPEngine
 
-from unillm import KVStats, UnsupportedParameter
+from unillm import KVStats, Registry, UnsupportedParameter, auto_engine
 from unillm.testing import TinyModel
 
 
@@ -109,3 +110,26 @@ def test_stop_strings_and_kv_stats(engine: OpenAIHTTPEngine) -> None:
     assert engine.kv_stats() == KVStats()  # no /metrics: every field None
     with pytest.raises(UnsupportedParameter, match="stop_token_ids"):
         engine.generate("hi", stop_token_ids=[3])
+
+
+def test_auto_engine_considers_it_only_with_a_server_configured(
+    server: Proc, tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry(entry_points=False)  # the built-ins and this plugin, nothing installed
+    registry.register_plugin(unillm_openai_http, name="openai-http")
+    path = str(tiny.gguf_path)
+    with auto_engine(path, registry=registry, context_length=512) as local:
+        mine = {c.name: c for c in local.selection.candidates}["openai-http"]
+        assert not mine.eligible and "UNILLM_OPENAI_BASE_URL" in mine.blockers[0]
+        want = local.generate(PROMPTS[0], GREEDY)
+    monkeypatch.setenv("UNILLM_OPENAI_BASE_URL", server.url + "/v1")
+    with auto_engine(path, registry=registry, context_length=512) as chosen:
+        mine = {c.name: c for c in chosen.selection.candidates}["openai-http"]
+        assert mine.eligible and f"serves it as {path!r}" in mine.reasons[0]
+        assert chosen.name == "llama.cpp"  # in-process wins a tie for its own format (the guide's bonus)
+    with auto_engine(path, registry=registry, backend="openai-http") as remote:
+        assert remote.name == "openai-http" and remote.selection.chosen_by == "config"
+        got = remote.generate(PROMPTS[0], GREEDY)
+        # the same weights, in-process and in the server: the same greedy tokens, counted alike
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens

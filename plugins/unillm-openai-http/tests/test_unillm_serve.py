@@ -242,14 +242,19 @@ def test_retries_carry_a_request_across_a_server_restart(
             again.stop()
 
 
+def _aborted(server: Proc) -> float:
+    """Requests the server counted as ended by a client gone."""
+    text = httpx.get(server.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("unillm:request_success_total") and 'finished_reason="abort"' in line
+    )
+
+
 def test_breaking_out_closes_the_request_on_the_server(engine: OpenAIHTTPEngine, server: Proc) -> None:
     def aborted() -> float:
-        text = httpx.get(server.url + "/metrics").text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("unillm:request_success_total") and 'finished_reason="abort"' in line
-        )
+        return _aborted(server)
 
     before = aborted()
     stream = engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True})
@@ -259,6 +264,28 @@ def test_breaking_out_closes_the_request_on_the_server(engine: OpenAIHTTPEngine,
     stream.close()  # type: ignore[attr-defined]
     wait_until(lambda: aborted() == before + 1, 20, "the server to count the request as aborted")
     assert engine.generate(PROMPTS[0], GREEDY).finish_reason == "length"  # the engine goes on
+
+
+def test_cancelling_an_async_stream_closes_the_request_on_the_server(
+    engine: OpenAIHTTPEngine, server: Proc
+) -> None:
+    before = _aborted(server)
+
+    async def consume(started: asyncio.Event) -> None:
+        params = {"temperature": 0.0, "max_tokens": 3000, "ignore_eos": True}
+        async for _ in engine.astream(PROMPTS[1], params):
+            started.set()
+
+    async def cancel_it() -> None:
+        started = asyncio.Event()
+        task = asyncio.create_task(consume(started))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_it())
+    wait_until(lambda: _aborted(server) == before + 1, 20, "the server to count the request as aborted")
 
 
 def test_conformance_checks_but_token_ids(engine: OpenAIHTTPEngine) -> None:
