@@ -107,13 +107,18 @@ class _Scripted(BaseHTTPRequestHandler):
 
     script: ClassVar[list[tuple[int, dict[str, str], bytes]]] = []
     seen: ClassVar[list[str]] = []
+    release: ClassVar[threading.Event]
 
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         if length:
             self.rfile.read(length)
         type(self).seen.append(self.path)
-        status, headers, body = type(self).script.pop(0)
+        step = type(self).script.pop(0)
+        if step is STALL:
+            type(self).release.wait(30)  # a server that accepted the request and says nothing
+            return
+        status, headers, body = step
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)
@@ -129,11 +134,12 @@ class _Scripted(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def scripted() -> Iterator[tuple[str, type[_Scripted]]]:
-    handler = type("Handler", (_Scripted,), {"script": [], "seen": []})
+    handler = type("Handler", (_Scripted,), {"script": [], "seen": [], "release": threading.Event()})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    handler.release.set()
     httpd.shutdown()
     httpd.server_close()
 
@@ -149,6 +155,7 @@ MODELS: Answer = (
     _json({"data": [{"id": "m", "owned_by": "vllm"}]}),
 )
 BUSY: Answer = (503, {"Retry-After": "0"}, _json({"error": {"message": "loading"}}))
+STALL: Answer = (0, {}, b"")
 FULL: Answer = (429, {}, _json({"error": {"message": "queue full"}}))
 
 
@@ -185,3 +192,13 @@ def test_an_error_inside_a_started_stream_is_not_replayed(scripted: tuple[str, t
     with engine as e, pytest.raises(ServerFailed, match="engine died"):
         e.generate("hi")
     assert handler.seen == ["/v1/models", "/v1/completions"]  # once, and never again
+
+
+def test_a_read_timeout_is_a_server_failure_and_not_retried(scripted: tuple[str, type[_Scripted]]) -> None:
+    url, handler = scripted
+    handler.script = [MODELS, STALL, MODELS]
+    options = {"base_url": url, "retries": 3, "read_timeout_s": 0.3}
+    with OpenAIHTTPEngine({"model": "m", "options": options}) as e:
+        with pytest.raises(ServerFailed, match="ReadTimeout"):
+            e.generate("hi")
+        assert handler.seen == ["/v1/models", "/v1/completions"]  # the server may be generating it
