@@ -134,7 +134,9 @@ class _Scripted(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def scripted() -> Iterator[tuple[str, type[_Scripted]]]:
-    handler = type("Handler", (_Scripted,), {"script": [], "seen": [], "release": threading.Event()})
+    handler: type[_Scripted] = type(
+        "Handler", (_Scripted,), {"script": [], "seen": [], "release": threading.Event()}
+    )
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
