@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import unillm_openai_http
-from conftest import Proc, free_port
+from _procs import Proc, free_port
 from unillm_openai_http.engine import OpenAIHTTPEngine
 
 from unillm import KVStats, Registry, UnsupportedParameter, auto_engine

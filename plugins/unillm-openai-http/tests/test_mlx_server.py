@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Proc, free_port
+from _procs import Proc, free_port
 from unillm_openai_http._errors import ServedModelNotFound, TokenizerUnavailable
 from unillm_openai_http.engine import OpenAIHTTPEngine
 

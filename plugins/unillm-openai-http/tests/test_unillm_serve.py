@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Proc, free_port, unillm_serve, wait_until
+from _procs import Proc, free_port, unillm_serve, wait_until
 from unillm_openai_http._errors import (
     AuthenticationFailed,
     ServedModelNotFound,
