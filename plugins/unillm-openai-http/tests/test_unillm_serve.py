@@ -149,6 +149,18 @@ def test_chat_goes_through_the_servers_template(engine: OpenAIHTTPEngine, local:
     assert "".join(c.text for c in streamed) == want.text
 
 
+def test_a_configured_chat_template_is_rendered_here(server: Proc, local: Any) -> None:
+    config = {
+        "model": "tiny",
+        "chat_template": "{{ messages[-1]['content'] }}!",
+        "options": {"base_url": server.url},
+    }
+    with OpenAIHTTPEngine(config) as e:
+        assert e.render_chat(HELLO) == "Say hello.!"
+        assert e.chat(HELLO, GREEDY).text == local.generate("Say hello.!", GREEDY).text
+        assert asyncio.run(e.achat(HELLO, GREEDY)).text == local.generate("Say hello.!", GREEDY).text
+
+
 def test_tokenizer_round_trip_is_the_engines(engine: OpenAIHTTPEngine, local: Any) -> None:
     text = "The quick brown fox jumps"
     ids = engine.tokenize(text)

@@ -316,6 +316,8 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         params: SamplingParams | Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> Iterator[Chunk]:
+        """Stream a completion of ``prompt`` through ``/v1/completions``, one chunk per event;
+        the last carries the finish reason, the usage and the client's timings."""
         sp = self._params(params, overrides)
         t0 = perf_counter()
         call = self._prepare(prompt, sp)
@@ -341,6 +343,8 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         params: SamplingParams | Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> AsyncIterator[Chunk]:
+        """Async ``stream``, on the caller's event loop (the async client); cancelling the task
+        closes the response."""
         sp = self._params(params, overrides)
         t0 = perf_counter()
         call = self._prepare(prompt, sp)
@@ -350,6 +354,7 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
     async def astream_chat(
         self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> AsyncIterator[Chunk]:
+        """Async ``stream_chat``."""
         if self.config.chat_template:
             async for chunk in super().astream_chat(messages, params, **overrides):
                 yield chunk
