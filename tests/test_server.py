@@ -208,7 +208,38 @@ def test_a_seed_reproduces_a_sampled_text(oai: openai.OpenAI) -> None:
     assert {sampled(s) for s in (12, 13, 14)} - {first}, "four seeds gave one text: is the seed ignored?"
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["kind", "n", "ok"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_response_format_is_enforced(oai: openai.OpenAI, stream: bool) -> None:
+    finished = 0
+    for seed in range(6):
+        call = {"model": ALIAS, "messages": MESSAGES, "temperature": 1.0, "seed": seed, "max_tokens": 120}
+        if stream:
+            chunks = list(oai.chat.completions.create(**call, response_format=FORMAT, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
+        else:
+            got = oai.chat.completions.create(**call, response_format=FORMAT)
+            text, finish = got.choices[0].message.content or "", got.choices[0].finish_reason
+        if finish == "stop":
+            finished += 1
+            value = json.loads(text)
+            assert set(value) == {"kind", "n", "ok"} and value["kind"] in ("a", "b"), text
+            assert isinstance(value["n"], int) and isinstance(value["ok"], bool), text
+    assert finished >= 4, finished
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+BOUNDED = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 1}}}
 LONG = "hello " * (CONTEXT + 100)
 
 
@@ -221,12 +252,15 @@ LONG = "hello " * (CONTEXT + 100)
         ({"logprobs": True, "top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),
         ({"tools": [TOOL]}, openai.BadRequestError, "tools"),
         ({"n": 2}, openai.BadRequestError, "n"),
+        ({"response_format": BOUNDED}, openai.BadRequestError, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, openai.BadRequestError, None),
         ({"messages": [{"role": "user", "content": LONG}]}, openai.BadRequestError, None),
         ({"messages": [{"role": "user", "content": LONG}], "stream": True}, openai.BadRequestError, None),
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),
         ({"model": "no-such-model", "stream": True}, openai.NotFoundError, "model"),
     ],
-    ids=["max_tokens", "unknown-field", "top_logprobs", "tools", "n", "context", "context-streamed",
+    ids=["max_tokens", "unknown-field", "top_logprobs", "tools", "n", "unenforced-schema", "bad-schema",
+         "context", "context-streamed",
          "unknown-model", "unknown-model-streamed"],
 )  # fmt: skip
 def test_refusals_raise_the_clients_exception_classes(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemory
+from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemory, SamplingParams
 from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
@@ -26,7 +26,6 @@ from unillm.backend import Facts
 from unillm.engines import vllm as backend
 from unillm.engines._vllm_args import model_dir
 from unillm.engines._vllm_runtime import Mailbox, OutputCapture
-from unillm.engines._vllm_sampling import json_schema
 from unillm.engines._vllm_start import load_error, weights_dtype
 from unillm.engines.vllm import VLLMEngine
 from unillm.testing import TinyModel, check_closed
@@ -247,9 +246,12 @@ def test_unknown_options_are_refused(tiny: TinyModel) -> None:
 
 def test_response_formats_become_json_schemas() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert json_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == schema
-    assert json_schema({"type": "json_object"}) == {"type": "object"}
-    assert json_schema(schema) == schema
+    wrapped = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for given in (wrapped, schema):
+        fmt = SamplingParams(response_format=given).output_format
+        assert fmt is not None and fmt.kind == "json_schema" and fmt.json_schema == schema
+    fmt = SamplingParams(response_format={"type": "json_object"}).output_format
+    assert fmt is not None and fmt.kind == "json_object" and fmt.json_schema == {"type": "object"}
 
 
 # ---- KV cache: the planner's formula ----

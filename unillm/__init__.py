@@ -68,6 +68,7 @@ _LAZY = {
     "OutOfMemory": "unillm._errors",
     "ContextLengthExceeded": "unillm._errors",
     "GenerationError": "unillm._errors",
+    "StructuredOutputError": "unillm._structured",
     "EngineClosed": "unillm._errors",
     "PluginError": "unillm._errors",
 }
@@ -104,6 +105,7 @@ __all__ = [
     "Request",
     "SamplingParams",
     "Selection",
+    "StructuredOutputError",
     "Suitability",
     "Timings",
     "UnillmError",

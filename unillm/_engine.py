@@ -29,7 +29,7 @@ from unillm._errors import (
 )
 from unillm._facts import Facts
 from unillm._lifetime import GUARDED, Lifetime, guarded
-from unillm._run import RawPiece, Request, Run, afold, fold, iterate_in_thread
+from unillm._run import FORMAT_NEVER_DROPPED, RawPiece, Request, Run, afold, fold, iterate_in_thread
 from unillm._types import (
     Availability,
     Capabilities,
@@ -290,7 +290,8 @@ class Engine(Lifetime, Generic[P]):
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> Completion:
         """The whole completion of ``prompt``: a fold over ``stream``."""
-        return fold(self.stream(prompt, params, **overrides))
+        sp = self._params(params, overrides)
+        return fold(self.stream(prompt, sp), sp)
 
     def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
         """The prompt text ``messages`` become under the chat template (sandboxed Jinja)."""
@@ -332,18 +333,16 @@ class Engine(Lifetime, Generic[P]):
         self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> Completion:
         """The assistant's whole reply to ``messages``."""
-        return fold(self.stream_chat(messages, params, **overrides))
+        sp = self._params(params, overrides)
+        return fold(self.stream_chat(messages, sp), sp)
 
     # ---- async mirrors: native for a batching backend's _astream, else the sync path on a thread ----
 
     async def astream(
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> AsyncIterator[Chunk]:
-        """Async ``stream``. Cancelling the consuming task stops generation at the next token.
-
-        A batching backend with a native ``_astream`` runs on the caller's event loop; any other
-        runs its sync ``stream`` on a thread of its own.
-        """
+        """Async ``stream``; cancelling the consuming task stops generation at the next token. A
+        batching backend's native ``_astream`` runs on the caller's loop, any other on a thread."""
         if self._native_async():
             sp = self._params(params, overrides)
             t0 = perf_counter()
@@ -358,7 +357,8 @@ class Engine(Lifetime, Generic[P]):
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> Completion:
         """Async ``generate``."""
-        return await afold(self.astream(prompt, params, **overrides))
+        sp = self._params(params, overrides)
+        return await afold(self.astream(prompt, sp), sp)
 
     async def astream_chat(
         self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
@@ -371,7 +371,8 @@ class Engine(Lifetime, Generic[P]):
         self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
     ) -> Completion:
         """Async ``chat``."""
-        return await afold(self.astream_chat(messages, params, **overrides))
+        sp = self._params(params, overrides)
+        return await afold(self.astream_chat(messages, sp), sp)
 
     # ---- the shared machinery ----
 
@@ -402,6 +403,8 @@ class Engine(Lifetime, Generic[P]):
         unsupported = [n for n in sp.non_default() if n not in supported and n not in _BASE_HANDLED]
         if not unsupported:
             return sp
+        if "response_format" in unsupported:  # never dropped, whatever the policy says
+            raise UnsupportedParameter(self.name, unsupported, hint=FORMAT_NEVER_DROPPED)
         policy = self.config.unsupported_params
         if policy == "strict":
             raise UnsupportedParameter(self.name, unsupported)

@@ -14,6 +14,7 @@
     ├── OutOfMemory (MemoryError)    weights or KV cache do not fit
     ├── ContextLengthExceeded (ValueError)  the prompt is longer than the loaded context
     ├── GenerationError              the engine failed while generating
+    │   └── StructuredOutputError    the output does not parse or validate under its response_format
     ├── EngineClosed                 the engine was used after close() or before load()
     └── PluginError                  a plugin failed to import or register (reported, then skipped)
 
@@ -68,8 +69,17 @@ class ConfigError(UnillmError, ValueError):
             if err["type"] == "extra_forbidden":
                 lines.append(f"  {loc}: unknown field")
             else:
-                lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+                lines.append(f"  {loc}: {err['msg']} (got {_shown(err.get('input'))})")
         return cls(f"invalid {what}:\n" + "\n".join(lines))
+
+
+def _shown(value: object, most: int = 200) -> str:
+    """``repr(value)`` cut to ``most`` characters; a value too deep to repr says so."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 class UnknownBackend(ConfigError):
@@ -87,12 +97,16 @@ class UnknownBackend(ConfigError):
 class UnsupportedParameter(ConfigError):
     """A sampling parameter was set that the backend cannot honour (policy ``strict``)."""
 
-    def __init__(self, backend: str, params: Sequence[str]) -> None:
+    def __init__(self, backend: str, params: Sequence[str], hint: str | None = None) -> None:
         self.backend = backend
         self.params = list(params)
         super().__init__(
-            f"backend {backend!r} does not support {', '.join(self.params)}. Leave them at their "
-            "defaults, or set unsupported_params='warn' or 'drop' in the engine config to ignore them."
+            f"backend {backend!r} does not support {', '.join(self.params)}. "
+            + (
+                hint
+                or "Leave them at their defaults, or set unsupported_params='warn' or 'drop' in the "
+                "engine config to ignore them."
+            )
         )
 
 

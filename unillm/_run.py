@@ -118,7 +118,15 @@ def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timin
     )
 
 
-def fold(chunks: Iterator[Chunk]) -> Completion:
+FORMAT_NEVER_DROPPED = (
+    "A response format is never ignored, whatever unsupported_params says: use a backend whose "
+    "capabilities.sampling has response_format, or leave it unset."
+)
+
+
+def fold(chunks: Iterator[Chunk], params: SamplingParams | None = None) -> Completion:
+    """The whole completion a stream makes; ``params``' response format, if any, rides along for
+    ``Completion.parsed()``."""
     parts: list[str] = []
     ids: list[int] = []
     lps: list[float] = []
@@ -128,10 +136,10 @@ def fold(chunks: Iterator[Chunk]) -> Completion:
         ids.extend(last.token_ids)
         if last.logprobs is not None:
             lps.extend(last.logprobs)
-    return _completion(parts, ids, lps, last)
+    return _completion(parts, ids, lps, last, params)
 
 
-async def afold(chunks: AsyncIterator[Chunk]) -> Completion:
+async def afold(chunks: AsyncIterator[Chunk], params: SamplingParams | None = None) -> Completion:
     parts: list[str] = []
     ids: list[int] = []
     lps: list[float] = []
@@ -141,10 +149,12 @@ async def afold(chunks: AsyncIterator[Chunk]) -> Completion:
         ids.extend(last.token_ids)
         if last.logprobs is not None:
             lps.extend(last.logprobs)
-    return _completion(parts, ids, lps, last)
+    return _completion(parts, ids, lps, last, params)
 
 
-def _completion(parts: list[str], ids: list[int], lps: list[float], last: Chunk | None) -> Completion:
+def _completion(
+    parts: list[str], ids: list[int], lps: list[float], last: Chunk | None, params: SamplingParams | None
+) -> Completion:
     if last is None or last.finish_reason is None or last.usage is None or last.timings is None:
         raise GenerationError("the stream ended without its final chunk")
     return Completion(
@@ -155,6 +165,7 @@ def _completion(parts: list[str], ids: list[int], lps: list[float], last: Chunk 
         last.timings,
         tuple(lps) if lps else None,
         last.stop_sequence,
+        params.output_format if params is not None and params.response_format is not None else None,
     )
 
 

@@ -12,11 +12,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unillm._errors import ConfigError, OutOfMemory
+
+if TYPE_CHECKING:
+    from unillm._structured import OutputFormat
 
 __all__ = [
     "STANDARD_SAMPLING",
@@ -88,7 +91,11 @@ class SamplingParams(_Validated):
     )
     logprobs: int | None = Field(default=None, ge=0, le=20, description="Return the chosen token's logprob.")
     logit_bias: dict[int, float] | None = Field(default=None, description="Token id -> added logit.")
-    response_format: dict[str, Any] | None = Field(default=None, description="JSON schema to follow.")
+    response_format: dict[str, Any] | type[BaseModel] | None = Field(
+        default=None,
+        description="Output format to enforce: a pydantic model class, OpenAI's json_schema or "
+        "json_object dict, or a bare JSON schema.",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -146,6 +153,29 @@ class SamplingParams(_Validated):
         if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format_reads(cls, value: Any) -> Any:
+        from unillm._structured import output_format
+
+        return None if output_format(value) is None else value  # {"type": "text"} is no format
+
+    @model_validator(mode="after")
+    def _format_ends_the_output(self) -> SamplingParams:
+        if self.response_format is not None and self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be combined with response_format: the format decides where the "
+                "output ends; drop one of them"
+            )
+        return self
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        """``response_format`` read (see ``unillm._structured``), or None."""
+        from unillm._structured import output_format
+
+        return output_format(self.response_format)
 
     def non_default(self) -> list[str]:
         """Names of the fields set to something other than their default."""
@@ -278,6 +308,19 @@ class Completion:
     timings: Timings
     logprobs: tuple[float, ...] | None = None
     stop_sequence: str | None = None  # the stop string that ended the completion, if one did
+    output_format: OutputFormat | None = None  # the response_format it was generated under
+
+    def parsed(self) -> Any:
+        """The text parsed and validated under the request's ``response_format``: the pydantic
+        instance when a model class was given, else the JSON value. Raises
+        ``StructuredOutputError`` (its ``.raw`` holds the text) when the output does not parse or
+        validate, e.g. when ``max_tokens`` cut it."""
+        if self.output_format is None:
+            raise ConfigError(
+                "this completion was generated without a response_format; pass response_format= "
+                "(a pydantic model class or a JSON schema) to generate() or chat() to parse it"
+            )
+        return self.output_format.parse(self.text, self.finish_reason)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,6 @@ classes come in with the modules the backend imported at load."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from unillm._errors import ConfigError
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
     from unillm.backend import Request, SamplingParams
     from unillm.engines._vllm_start import VLLMModules
 
-__all__ = ["Piece", "json_schema", "piece", "sampling_params"]
+__all__ = ["Piece", "piece", "sampling_params"]
 
 Piece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
 
@@ -31,8 +30,12 @@ def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: froze
     if not params.ignore_eos:
         stop_ids |= eos_token_ids
     structured = None
-    if params.response_format is not None:
-        structured = v.StructuredOutputsParams(json=json_schema(params.response_format))
+    if (fmt := params.output_format) is not None:  # enforced by vLLM's structured-output backend
+        structured = (
+            v.StructuredOutputsParams(json=fmt.json_schema)
+            if fmt.kind == "json_schema"
+            else v.StructuredOutputsParams(json_object=True)
+        )
     try:
         return v.SamplingParams(
             max_tokens=params.max_tokens,
@@ -55,16 +58,6 @@ def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: froze
         )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"vLLM refuses these sampling parameters: {exc}") from exc
-
-
-def json_schema(response_format: Mapping[str, Any]) -> Any:
-    """OpenAI's ``{"type": "json_schema", "json_schema": {"schema": ...}}``, or a bare schema."""
-    if response_format.get("type") == "json_schema":
-        inner = response_format.get("json_schema") or {}
-        return inner.get("schema", inner)
-    if response_format.get("type") == "json_object":
-        return {"type": "object"}
-    return dict(response_format)
 
 
 def piece(out: Any, req: Request) -> Piece | None:

@@ -40,6 +40,7 @@ from unillm.backend import (
     kv_dtype,
     shared_prefix,
 )
+from unillm.engines._llamacpp_grammar import add_grammar, eog_ids, grammar_for
 from unillm.engines._llamacpp_load import (
     LlamaLog,
     check_fits,
@@ -120,7 +121,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     name: ClassVar[str] = "llama.cpp"
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING,
+        sampling=STANDARD_SAMPLING | {"response_format"},  # through llama.cpp's grammar sampler
         devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
     )
     Options: ClassVar[type[BaseModel]] = LlamaCppOptions
@@ -251,6 +252,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         metadata = full_metadata(llm, header, check_template=own_template, source=str(self._path))
         self._llm: Llama = llm
         self._vocab = llm._model.vocab
+        self._eog: frozenset[int] | None = None  # llama.cpp's end-of-generation set, on first use
         self._n_vocab = llm.n_vocab()
         # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
         # by the requested n_ctx: the usable context is the smaller of the two.
@@ -285,6 +287,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         else:
             ids = list(prompt)  # the base class checked the ids against the vocabulary
         check_prompt(ids, self._n_ctx, params.max_tokens)
+        if (fmt := params.output_format) is not None:
+            grammar_for(fmt)  # refused at the call, not at the first token
         return ids
 
     def _stream(
@@ -322,6 +326,10 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         pieces = self._pieces
         # the model's declared end-of-sequence set, never llama.cpp's guess by token name
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        if params.response_format is not None:
+            # a finished grammar allows only llama.cpp's end-of-generation tokens, and accepting
+            # anything after it aborts the process: every one of them ends the output
+            stop_ids |= self._eog_ids()
         want_lp = params.logprobs is not None
         max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
         n = 0
@@ -383,6 +391,13 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         from llama_cpp._internals import LlamaSampler
 
         s = LlamaSampler()
+        fmt = params.output_format
+        if fmt is not None:  # first in the chain: every later sampler sees only allowed tokens
+            try:
+                add_grammar(s, self._vocab, fmt)
+            except BaseException:
+                s.close()
+                raise
         if params.logit_bias:
             s.add_logit_bias(self._n_vocab, {int(k): float(v) for k, v in params.logit_bias.items()})
         if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
@@ -406,6 +421,11 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         s.add_temp(params.temperature)
         s.add_dist(seed if seed is not None else 0xFFFFFFFF)  # LLAMA_DEFAULT_SEED: random
         return s
+
+    def _eog_ids(self) -> frozenset[int]:
+        if self._eog is None:
+            self._eog = eog_ids(self._vocab, self._n_vocab)
+        return self._eog
 
     def _logprob(self, tok: int) -> float:
         import numpy as np

@@ -38,6 +38,7 @@ from unillm.backend import (
     shared_prefix,
 )
 from unillm.engines._mlx_batch import Batcher, KeptCache
+from unillm.engines._mlx_format import FormatGuide
 from unillm.engines._mlx_model import (
     activation_dtype,
     bits_dtype,
@@ -99,7 +100,7 @@ class MLXEngine(Engine[MLXOptions]):
     name: ClassVar[str] = "mlx"
     formats: ClassVar[frozenset[str]] = frozenset({"mlx", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING,
+        sampling=STANDARD_SAMPLING | {"response_format"},  # through llguidance (engines/_mlx_format.py)
         batching=False,  # True on an engine whose batch_size > 1 (mlx-lm's BatchGenerator)
         lora=True,
         devices=frozenset({"cpu", "metal"}),
@@ -197,6 +198,7 @@ class MLXEngine(Engine[MLXOptions]):
         # the model's declared end-of-sequence set (unillm._eos), the same on every backend
         self.eos_token_ids = eos_from_hf_dir(path, to_id=self._one_token, vocab_size=self.vocab_size)
         self._eos = self.eos_token_ids
+        self._guide = FormatGuide(path, self.vocab_size, sorted(self._eos))  # llguidance, on first use
         tokenizer.eos_token_ids = set(self._eos)
         self._cache: list[Any] | None = None
         self._cache_tokens: list[int] = []
@@ -242,7 +244,15 @@ class MLXEngine(Engine[MLXOptions]):
             ids = list(prompt)  # the base class checked the ids against the vocabulary
         # a rotating cache (max_kv_size) takes any prompt length
         check_prompt(ids, self._n_ctx if self.options.max_kv_size is None else None, params.max_tokens)
+        if (fmt := params.output_format) is not None:
+            self._guide.check(fmt)  # refused at the call, not at the first token
         return ids
+
+    def _draw(self, params: SamplingParams) -> Any:
+        """mlx-lm's sampler for ``params``, limited to what its response format allows."""
+        draw = sampler(self._mx, params, self.options.seed)
+        fmt = params.output_format
+        return draw if fmt is None else self._guide.constrain(self._mx, draw, fmt)
 
     def _stream(
         self, ids: list[int], params: SamplingParams, req: Request
@@ -274,7 +284,7 @@ class MLXEngine(Engine[MLXOptions]):
             tokenizer,
             mx.array(ids[cached:]),
             max_tokens=max_tokens,
-            sampler=sampler(mx, params, opts.seed),
+            sampler=self._draw(params),
             logits_processors=processors(params),
             prompt_cache=self._cache,
             prefill_step_size=opts.prefill_step_size,
@@ -331,7 +341,7 @@ class MLXEngine(Engine[MLXOptions]):
         live = batcher.submit_prompt(
             ids[cached:],
             max_tokens=max_tokens,
-            sampler=sampler(self._mx, params, self.options.seed),
+            sampler=self._draw(params),
             processors=processors(params),
             ignore_eos=params.ignore_eos,
             cache=cache,
