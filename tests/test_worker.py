@@ -133,3 +133,27 @@ def test_what_arrives_while_the_worker_stops_is_answered() -> None:
     assert w.stopped
     assert isinstance(read.exception(timeout=0), EngineClosed)
     assert isinstance(late.events.get(timeout=0), EngineClosed)
+
+
+class Gathering(Counter):
+    gather_s = 0.05  # capped by GATHER_MAX_S
+
+    def __init__(self) -> None:
+        self.first_step_size: int | None = None
+        super().__init__()
+
+    def _step(self) -> Iterable[tuple[int, Any, bool]]:
+        if self.first_step_size is None:
+            self.first_step_size = len(self.counts)
+        return super()._step()
+
+
+def test_requests_sent_together_start_in_one_step_when_the_worker_gathers() -> None:
+    w = Gathering()
+    lives = []
+    for _ in range(4):  # a millisecond apart: each well within gather_s of the last
+        lives.append(w.submit(3))
+        time.sleep(0.001)
+    assert [[lv.events.get() for _ in range(3)] for lv in lives] == [[1, 2, 3]] * 4
+    assert w.first_step_size == 4
+    w.close()

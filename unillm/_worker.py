@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -26,6 +27,8 @@ from unillm._errors import EngineClosed
 __all__ = ["Live", "StepWorker"]
 
 T = TypeVar("T")
+#: the longest a worker waking from idle waits for more arrivals (see ``StepWorker.gather_s``)
+GATHER_MAX_S = 0.02
 
 
 class Live:
@@ -45,6 +48,10 @@ class StepWorker:
     thread touches the engine (other threads read its state through ``call``)."""
 
     thread_name = "unillm-worker"
+    #: Waking from idle, keep taking arrivals while each comes within this many seconds of the
+    #: last (at most ``GATHER_MAX_S``), so that requests sent together start as one batch rather
+    #: than one and then the rest; 0 starts at the first.
+    gather_s: float = 0.0
 
     def __init__(self) -> None:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -164,6 +171,8 @@ class StepWorker:
             if not self._live:
                 self._wake.wait()
                 self._wake.clear()
+                if self.gather_s:
+                    self._gather()
                 continue
             try:
                 events = list(self._step())
@@ -185,6 +194,11 @@ class StepWorker:
         for orphan in self._live.values():
             orphan.events.put(EngineClosed("the engine was closed while this request ran"))
         self._live.clear()
+
+    def _gather(self) -> None:
+        deadline = time.perf_counter() + GATHER_MAX_S
+        while time.perf_counter() < deadline and self._wake.wait(self.gather_s):
+            self._wake.clear()
 
     def _inbox_items(self) -> Iterator[tuple[str, Any]]:
         """What callers sent, until the inbox is empty."""
