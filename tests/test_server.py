@@ -240,6 +240,7 @@ def test_a_json_schema_response_format_is_enforced(oai: openai.OpenAI, stream: b
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 BOUNDED = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 1}}}
+NO_SCHEMA = {"type": "json_schema", "json_schema": {}}
 LONG = "hello " * (CONTEXT + 100)
 
 
@@ -253,7 +254,7 @@ LONG = "hello " * (CONTEXT + 100)
         ({"tools": [TOOL]}, openai.BadRequestError, "tools"),
         ({"n": 2}, openai.BadRequestError, "n"),
         ({"response_format": BOUNDED}, openai.BadRequestError, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, openai.BadRequestError, None),
+        ({"response_format": NO_SCHEMA}, openai.BadRequestError, "response_format"),
         ({"messages": [{"role": "user", "content": LONG}]}, openai.BadRequestError, None),
         ({"messages": [{"role": "user", "content": LONG}], "stream": True}, openai.BadRequestError, None),
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),

@@ -60,6 +60,9 @@ class UnillmError(Exception):
 class ConfigError(UnillmError, ValueError):
     """A config value, backend option or sampling parameter is invalid."""
 
+    #: the invalid fields, when a validation named them (``from_validation``); else empty
+    fields: tuple[str, ...] = ()
+
     @classmethod
     def from_validation(cls, exc: ValidationError, what: str) -> ConfigError:
         """Turn a pydantic ``ValidationError`` into one readable message naming each bad field."""
@@ -70,7 +73,9 @@ class ConfigError(UnillmError, ValueError):
                 lines.append(f"  {loc}: unknown field")
             else:
                 lines.append(f"  {loc}: {err['msg']} (got {_shown(err.get('input'))})")
-        return cls(f"invalid {what}:\n" + "\n".join(lines))
+        error = cls(f"invalid {what}:\n" + "\n".join(lines))
+        error.fields = tuple(dict.fromkeys(str(e["loc"][0]) for e in exc.errors() if e["loc"]))
+        return error
 
 
 def _shown(value: object, most: int = 200) -> str:

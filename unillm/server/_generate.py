@@ -84,7 +84,7 @@ def sampling(
             max_tokens=asked or most, **{k: v for k, v in fields.items() if v is not None}
         )
     except ConfigError as exc:
-        raise ApiError(400, str(exc)) from exc
+        raise ApiError(400, str(exc), param=exc.fields[0] if len(exc.fields) == 1 else None) from exc
     supported = engine.capabilities.sampling
     unsupported = [n for n in params.non_default() if n not in supported and n not in _ALWAYS]
     if unsupported:
