@@ -10,11 +10,12 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
 from _procs import Proc, free_port, unillm_serve, wait_until
+from pydantic import BaseModel
 from unillm_openai_http._errors import (
     AuthenticationFailed,
     ServedModelNotFound,
@@ -180,9 +181,27 @@ def test_kv_stats_come_from_the_servers_metrics(engine: OpenAIHTTPEngine, server
     assert kv_from_metrics(httpx.get(server.url + "/metrics").text, "tiny") == after
 
 
+class Thing(BaseModel):
+    kind: Literal["a", "b"]
+    n: int
+    ok: bool
+
+
+def test_a_response_format_is_sent_and_the_server_enforces_it(engine: OpenAIHTTPEngine) -> None:
+    finished = 0
+    for seed in range(6):
+        done = engine.generate("x", response_format=Thing, temperature=1.0, seed=seed, max_tokens=120)
+        if done.finish_reason == "stop":
+            finished += 1
+            assert isinstance(done.parsed(), Thing), done.text
+    assert finished >= 4, finished
+    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    with pytest.raises(ServerRefused) as info:  # unillm serve's llama.cpp refuses what it cannot enforce
+        engine.generate("x", response_format=bounded)
+    assert info.value.status == 400 and "minimum" in str(info.value)
+
+
 def test_refuses_what_it_cannot_send(engine: OpenAIHTTPEngine) -> None:
-    with pytest.raises(UnsupportedParameter, match="response_format"):
-        engine.generate("hi", response_format={"type": "json_object"})
     with pytest.raises(UnsupportedParameter, match="logprobs"):
         engine.generate("hi", logprobs=1)
     with pytest.raises(ServerRefused) as info:  # the server's own range check: 400

@@ -18,10 +18,12 @@ OPENAI = frozenset(
     {"max_tokens", "stop", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"}
 )
 _VLLM_LIKE = OPENAI | {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens"}
+# servers that enforce OpenAI's response_format (json_schema, json_object) themselves
+_FORMATS = frozenset({"response_format"})
 SAMPLING: dict[str, frozenset[str]] = {
-    "unillm": _VLLM_LIKE | {"logit_bias"},
-    "vllm": _VLLM_LIKE | {"logit_bias"},
-    "sglang": _VLLM_LIKE,
+    "unillm": _VLLM_LIKE | {"logit_bias"} | _FORMATS,
+    "vllm": _VLLM_LIKE | {"logit_bias"} | _FORMATS,
+    "sglang": _VLLM_LIKE | _FORMATS,
     "llama.cpp": OPENAI | {"top_k", "min_p", "repetition_penalty"},
     "llama-cpp-python": OPENAI | {"top_k", "min_p", "repetition_penalty", "logit_bias"},
     "mlx": OPENAI | {"top_k", "min_p", "repetition_penalty", "logit_bias"},

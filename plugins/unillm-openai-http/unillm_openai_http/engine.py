@@ -211,6 +211,13 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
                 body[renamed.get(name, name)] = list(value) if isinstance(value, tuple) else value
         if params.logit_bias and "logit_bias" in body:
             body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+        if "response_format" in body and (fmt := params.output_format) is not None:
+            # the wire shape of any format unillm reads (a model class included): the server enforces it
+            body["response_format"] = (
+                {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt.json_schema}}
+                if fmt.kind == "json_schema"
+                else {"type": "json_object"}
+            )
         return {**body, "stream": True, "stream_options": {"include_usage": True}}
 
     def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> _Call:
