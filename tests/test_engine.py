@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import warnings
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,6 +14,7 @@ from unillm import (
     ConfigError,
     EngineClosed,
     GenerationError,
+    Request,
     SamplingParams,
     UnillmWarning,
     UnsupportedParameter,
@@ -262,3 +264,28 @@ def test_check_closed_on_a_never_loaded_and_a_closed_engine() -> None:
     e.load()
     e.close()
     check_closed(e)
+
+
+class TextOnly(MockEngine):
+    """A backend that streams text without ids and knows its count otherwise (a remote server's
+    usage event, say): it sets ``req.completion_tokens``."""
+
+    def _stream(
+        self, prepared: str, params: SamplingParams, req: Request
+    ) -> Iterator[tuple[str, tuple[int, ...], None]]:
+        n = 0
+        for text, _ids, lp in super()._stream(prepared, params, req):
+            n += 1
+            yield text, (), lp
+        req.completion_tokens = n
+
+
+def test_a_backend_that_streams_no_ids_gives_its_own_count() -> None:
+    e = TextOnly(lambda _p, _s: "one two three four").load()
+    done = e.generate("x", max_tokens=50)
+    assert done.token_ids == () and done.text == "one two three four"
+    assert done.usage.completion_tokens == 4
+    t = done.timings
+    assert t.decode_tokens_per_s is None or t.decode_tokens_per_s == pytest.approx(3 / t.decode_s)
+    # left None, the count is the ids streamed: what every built-in backend relies on
+    assert MockEngine(lambda _p, _s: "a b").load().generate("x").usage.completion_tokens == 2

@@ -28,10 +28,13 @@ class Request:
 
     ``prompt_tokens`` must be set; the rest are optional. ``prefill_s``/``decode_s`` come from the
     engine's own counters when it has them (otherwise unillm's wall clock is used).
+    ``completion_tokens`` is for a backend that knows the count better than the ids it streamed
+    (a server that streams text only); left None, the ids streamed are counted.
     """
 
     __slots__ = (
         "cached_tokens",
+        "completion_tokens",
         "decode_s",
         "finish_reason",
         "peak_memory_bytes",
@@ -43,6 +46,7 @@ class Request:
     def __init__(self) -> None:
         self.prompt_tokens = 0
         self.cached_tokens: int | None = None
+        self.completion_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         self.prefill_s: float | None = None
         self.decode_s: float | None = None
@@ -85,12 +89,13 @@ class Run:
         text, ids, lp = self.tail
         if self.stops is not None and not self.stops.stopped:
             text += self.stops.flush()
+        n = self.n if req.completion_tokens is None else req.completion_tokens
         return Chunk(
             text,
             ids,
             self.finish or req.finish_reason or "stop",
-            Usage(req.prompt_tokens, self.n, req.cached_tokens),
-            _timings(req, t0, self.first or end, end, self.n),
+            Usage(req.prompt_tokens, n, req.cached_tokens),
+            _timings(req, t0, self.first or end, end, n),
             lp,
             self.stops.matched if self.stops is not None and self.finish == "stop" else None,
         )

@@ -298,13 +298,14 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         usage = call.usage
         if usage is not None and isinstance(usage.get("completion_tokens"), int):
             req.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            call.completion = usage["completion_tokens"]
+            call.completion = req.completion_tokens = usage["completion_tokens"]
             details = usage.get("prompt_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             req.cached_tokens = cached if isinstance(cached, int) else None
             self._usage_source = "server"
             return
         call.completion, self._usage_source = call.events, "client"
+        req.completion_tokens = call.events
         if isinstance(call.prompt, list):
             req.prompt_tokens = len(call.prompt)
         elif isinstance(call.prompt, str) and tokenize and self._kind in TOKENIZER:
@@ -312,23 +313,6 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
                 req.prompt_tokens = len(self._tokenize(call.prompt))
             except Exception:  # counting is best effort: the answer itself is already here
                 req.prompt_tokens = 0
-
-    # The base class counts completion tokens as the ids streamed; a server that streams text
-    # only reports them in its usage (or they are counted per event here), so the last chunk's
-    # usage and decode rate are replaced with those counts (notes: openai_http_core_needs.md).
-
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | Mapping[str, Any] | None = None,
-        **overrides: Any,
-    ) -> Iterator[Chunk]:
-        """Stream a completion of ``prompt`` through ``/v1/completions``, one chunk per event;
-        the last carries the finish reason, the usage and the client's timings."""
-        sp = self._params(params, overrides)
-        t0 = perf_counter()
-        call = self._prepare(prompt, sp)
-        return _counted(self._drive(call, sp, t0), call)
 
     def stream_chat(
         self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
@@ -342,21 +326,7 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         self._enter()  # EngineClosed now, not at the first token
         self._leave()
         call = self._chat_call(messages, sp)
-        return _counted(self._drive(call, sp, t0), call)
-
-    async def astream(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | Mapping[str, Any] | None = None,
-        **overrides: Any,
-    ) -> AsyncIterator[Chunk]:
-        """Async ``stream``, on the caller's event loop (the async client); cancelling the task
-        closes the response."""
-        sp = self._params(params, overrides)
-        t0 = perf_counter()
-        call = self._prepare(prompt, sp)
-        async for chunk in _acounted(self._adrive(call, sp, t0), call):
-            yield chunk
+        return self._drive(call, sp, t0)
 
     async def astream_chat(
         self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
@@ -370,7 +340,7 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         if not self.loaded:
             raise self._closed_error()
         call = self._chat_call(messages, sp)
-        async for chunk in _acounted(self._adrive(call, sp, perf_counter()), call):
+        async for chunk in self._adrive(call, sp, perf_counter()):
             yield chunk
 
     # ---- tokenizer, kv_stats, close ----
@@ -426,31 +396,3 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         if wire is not None and self.loaded:
             await wire.aclose()  # its sockets belong to this loop: close them here
         await super().aclose()
-
-
-def _counted(chunks: Iterator[Chunk], call: _Call) -> Iterator[Chunk]:
-    try:
-        for chunk in chunks:
-            yield _final(chunk, call) if chunk.finish_reason is not None else chunk
-    finally:
-        chunks.close()  # type: ignore[attr-defined]
-
-
-async def _acounted(chunks: AsyncIterator[Chunk], call: _Call) -> AsyncIterator[Chunk]:
-    try:
-        async for chunk in chunks:
-            yield _final(chunk, call) if chunk.finish_reason is not None else chunk
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
-
-
-def _final(chunk: Chunk, call: _Call) -> Chunk:
-    """The last chunk with the completion count the server reported (or counted per event)."""
-    if chunk.usage is None or chunk.timings is None or not call.settled:
-        return chunk
-    n = max(call.completion, chunk.usage.completion_tokens)
-    t = chunk.timings
-    rate = (n - 1) / t.decode_s if t.decode_s > 0 and n > 1 else None
-    return replace(
-        chunk, usage=replace(chunk.usage, completion_tokens=n), timings=replace(t, decode_tokens_per_s=rate)
-    )
