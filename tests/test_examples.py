@@ -7,13 +7,12 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._plugin_util import ROOT, clean_env, fake_install, run
+
 EXAMPLES = ROOT / "examples"
 PLUGIN = ROOT / "plugins" / "unillm-reverse"
 
@@ -25,24 +24,7 @@ needs_llamacpp = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A clean environment whose UNILLM_CACHE is shared by the module: the tiny model builds once."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("UNILLM_")}
-    clean["UNILLM_CACHE"] = str(tmp_path_factory.mktemp("unillm-cache"))
-    clean.pop("PYTHONPATH", None)
-    return clean
-
-
-def run(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 300) -> str:
-    proc = subprocess.run(
-        [sys.executable, *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+    return clean_env(tmp_path_factory.mktemp("unillm-cache"))
 
 
 def field(out: str, pattern: str) -> list[str]:
@@ -125,10 +107,7 @@ def test_reverse_plugin_tests_pass(env: dict[str, str]) -> None:
 
 def test_reverse_plugin_is_found_through_its_entry_point(env: dict[str, str], tmp_path: Path) -> None:
     # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
-    dist_info = tmp_path / "unillm_reverse-0.1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: unillm-reverse\nVersion: 0.1.0\n")
-    (dist_info / "entry_points.txt").write_text("[unillm]\nreverse = unillm_reverse\n")
+    fake_install(tmp_path, "unillm-reverse", "reverse", "unillm_reverse")
     script = (
         "import unillm\n"
         "from unillm._plugins import default_registry\n"

@@ -6,43 +6,27 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._plugin_util import ROOT, clean_env, fake_install, run
+
 PLUGIN = ROOT / "plugins" / "unillm-openai-http"
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("UNILLM_")}
-    clean["UNILLM_CACHE"] = str(tmp_path_factory.mktemp("unillm-cache"))
-    clean.pop("PYTHONPATH", None)
-    return clean
-
-
-def run(args: list[str], env: dict[str, str], timeout: float = 400) -> str:
-    proc = subprocess.run(
-        [sys.executable, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, (
-        f"{args} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    )
-    return proc.stdout
+    return clean_env(tmp_path_factory.mktemp("unillm-cache"))
 
 
 def test_openai_http_plugin_tests_pass(env: dict[str, str]) -> None:
     plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
-    out = run(["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"], plugin_env)
+    out = run(
+        ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
+        plugin_env,
+        timeout=400,
+    )
     passed = int(re.findall(r"(\d+) passed", out)[-1])
     skipped = re.findall(r"(\d+) skipped", out)
     # 49 with every server here (unillm serve on llama.cpp, llama-cpp-python's, mlx_lm's); the
@@ -55,10 +39,7 @@ def test_openai_http_plugin_tests_pass(env: dict[str, str]) -> None:
 
 def test_openai_http_plugin_is_found_through_its_entry_point(env: dict[str, str], tmp_path: Path) -> None:
     # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
-    dist_info = tmp_path / "unillm_openai_http-0.1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: unillm-openai-http\nVersion: 0.1.0\n")
-    (dist_info / "entry_points.txt").write_text("[unillm]\nopenai-http = unillm_openai_http\n")
+    fake_install(tmp_path, "unillm-openai-http", "openai-http", "unillm_openai_http")
     script = (
         "import sys, unillm\n"
         "from unillm._plugins import default_registry\n"

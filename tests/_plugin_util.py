@@ -1,0 +1,42 @@
+"""What the tests of the plugins under plugins/ share: a clean environment for a subprocess, a
+run of this interpreter in it, and the ``.dist-info`` that ``pip install`` would leave behind, so
+that a plugin is found through a real entry point without installing it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["ROOT", "clean_env", "fake_install", "run"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def clean_env(cache: Path) -> dict[str, str]:
+    """This environment less every ``UNILLM_*`` variable and PYTHONPATH, with its own cache."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UNILLM_")}
+    clean["UNILLM_CACHE"] = str(cache)
+    clean.pop("PYTHONPATH", None)
+    return clean
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 300) -> str:
+    """``python ARGS`` in ``env``; its stdout, once it has exited 0 (else the test fails with both
+    streams' tails)."""
+    cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    tails = f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\n{tails}"
+    return proc.stdout
+
+
+def fake_install(where: Path, dist: str, entry: str, module: str) -> Path:
+    """A ``<dist>-0.1.0.dist-info`` in ``where`` naming ``entry = module`` in the ``unillm`` group:
+    with ``where`` on PYTHONPATH, importlib.metadata finds the plugin as if pip had installed it."""
+    info = where / f"{dist.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[unillm]\n{entry} = {module}\n")
+    return info
