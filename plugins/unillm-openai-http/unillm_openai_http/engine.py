@@ -97,7 +97,6 @@ class _Call:
     usage: Mapping[str, Any] | None = None
     finish: str | None = None
     events: int = 0
-    completion: int = 0
     settled: bool = False
 
 
@@ -298,14 +297,13 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         usage = call.usage
         if usage is not None and isinstance(usage.get("completion_tokens"), int):
             req.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            call.completion = req.completion_tokens = usage["completion_tokens"]
+            req.completion_tokens = usage["completion_tokens"]
             details = usage.get("prompt_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             req.cached_tokens = cached if isinstance(cached, int) else None
             self._usage_source = "server"
             return
-        call.completion, self._usage_source = call.events, "client"
-        req.completion_tokens = call.events
+        req.completion_tokens, self._usage_source = call.events, "client"
         if isinstance(call.prompt, list):
             req.prompt_tokens = len(call.prompt)
         elif isinstance(call.prompt, str) and tokenize and self._kind in TOKENIZER:
