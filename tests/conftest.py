@@ -35,3 +35,15 @@ def llama(tiny_gguf: Path) -> Iterator[object]:
     engine = LlamaCppEngine(model=str(tiny_gguf), context_length=512, options={"n_threads": 2, "seed": 1234})
     with engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def converter_python() -> str:
+    """The interpreter of the model converters' own environment (scripts/converters.sh builds it on
+    first use and reuses it after): torch and transformers < 5.6 stay out of the test environment."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "converters.sh"
+    proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, f"scripts/converters.sh failed:\n{proc.stderr[-4000:]}"
+    return proc.stdout.strip().splitlines()[-1]

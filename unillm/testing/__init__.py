@@ -4,6 +4,7 @@
 - ``build_tiny_model`` / ``tiny_model``: tiny random-weight Llama models (HF dir + GGUF) built
   here, so real engines can be tested offline.
 - ``check_engine``: the conformance checks every backend must pass.
+- ``convert_tiny``: the tiny model through ONNX Runtime GenAI's or OpenVINO's own converter.
 - ``check_parity``: greedy tokens, finish reasons and counts equal across engines on the same
   weights, with near-ties told apart from bugs.
 """
@@ -17,6 +18,7 @@ _LAZY = {
     "MockEngine": "unillm.testing._mock",
     "WordVocab": "unillm.testing._mock",
     "check_closed": "unillm.testing._conformance",
+    "convert_tiny": "unillm.testing._convert",
     "check_engine": "unillm.testing._conformance",
     "check_parity": "unillm.testing._parity",
     "ParityReport": "unillm.testing._parity",
@@ -36,6 +38,7 @@ __all__ = [
     "check_closed",
     "check_engine",
     "check_parity",
+    "convert_tiny",
     "tiny_model",
     "WordVocab",
 ]
@@ -43,6 +46,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from unillm.testing._conformance import check_closed, check_engine
+    from unillm.testing._convert import convert_tiny
     from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model
