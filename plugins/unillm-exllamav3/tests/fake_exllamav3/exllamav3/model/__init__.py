@@ -1,0 +1,4 @@
+from .config import Config
+from .model import Model
+
+__all__ = ["Config", "Model"]

@@ -1,0 +1,551 @@
+"""ExLlamaV3: EXL3-quantized (and unquantized FP16/BF16) Hugging Face models on NVIDIA GPUs, one
+model split across 2-4 consumer GPUs by layers or by tensor (and expert) parallelism.
+
+Every request becomes a ``Job`` of exllamav3's ``Generator``; a worker thread iterates it, so
+concurrent callers' jobs share forward passes (continuous batching). Stop strings and stop token
+ids go into each job's stop conditions, so generation ends inside exllamav3 at once; the base
+class's stop matching stays as an identical second check. The KV cache is one pool of 256-token
+pages shared by all jobs; full pages of finished prompts stay for prefix reuse, reported as cached
+tokens. exllamav3 renders no chat template for us: the model's HF template renders in unillm's
+sandbox. Written against unillm's public API only (``unillm``, ``unillm.backend``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from dataclasses import replace
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from unillm import BackendUnavailable, ConfigError, ContextLengthExceeded, GenerationError, ModelFormatError
+from unillm.backend import (
+    STANDARD_SAMPLING,
+    Availability,
+    Capabilities,
+    Cost,
+    Engine,
+    EngineBuild,
+    EngineConfig,
+    Facts,
+    Fallback,
+    KVStats,
+    RawPiece,
+    Request,
+    SamplingParams,
+    Suitability,
+    check_prompt,
+    installed,
+)
+from unillm_exllamav3._jobs import JobRunner, job_done
+from unillm_exllamav3._load import (
+    CACHE_BITS,
+    checked_dir,
+    eos_ids,
+    generation_error,
+    load_error,
+    model_config,
+    template,
+)
+
+__all__ = ["ASSUME_GPU_ENV", "INSTALL_HINT", "ExLlamaV3Engine", "ExLlamaV3Options", "nvidia_present"]
+
+INSTALL_HINT = "pip install unillm-exllamav3 exllamav3"
+NO_GPU = (
+    "needs an NVIDIA (CUDA) GPU and found none (exllamav3 compiles CUDA code at import); use "
+    "llama.cpp for GGUF models, or MLX on a Mac"
+)
+#: "1" skips the GPU probe and assumes an NVIDIA GPU, "0" assumes none: for tests (against a fake
+#: exllamav3) and for machines whose GPU the probe cannot see.
+ASSUME_GPU_ENV = "UNILLM_EXLLAMAV3_ASSUME_GPU"
+_DEFAULT_CONTEXT = 4096
+_PAGE = 256  # exllamav3's cache page; the cache holds whole pages
+_CONSUMER_GPUS = 4  # the guide's case: 2-4 consumer NVIDIA GPUs
+
+
+@functools.lru_cache(maxsize=1)
+def _nvidia_probe() -> bool:
+    if Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*")):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def nvidia_present() -> bool:
+    """An NVIDIA GPU is there (driver nodes, then nvidia-smi), or ``ASSUME_GPU_ENV`` says so."""
+    forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
+    return forced == "1" if forced in ("0", "1") else _nvidia_probe()
+
+
+# ---- options ----
+
+
+class ExLlamaV3Options(BaseModel):
+    """Load options of the ExLlamaV3 backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_seq_len: int | None = Field(
+        default=None,
+        ge=16,
+        description="Longest sequence (prompt + completion); default: the config's context_length, "
+        f"else min(the model's trained context, {_DEFAULT_CONTEXT}).",
+    )
+    cache_size: int | None = Field(
+        default=None,
+        ge=_PAGE,
+        description="Tokens the KV cache holds, shared by all running requests (rounded up to a "
+        "multiple of 256, at least max_seq_len); default: max_seq_len x max_batch_size.",
+    )
+    cache_type: Literal["fp16", "q8", "q6", "q4"] = Field(
+        default="fp16", description="KV cache precision: FP16, or quantized to 8, 6 or 4 bits (K and V)."
+    )
+    tensor_parallel: bool = Field(
+        default=False,
+        description="Split every layer across the GPUs (exllamav3's tensor_p; MoE layers by expert "
+        "parallelism unless moe_tensor_split); False splits by layers, filling each GPU in turn.",
+    )
+    moe_tensor_split: bool = Field(
+        default=False, description="Under tensor_parallel, split MoE layers by tensor, not by expert."
+    )
+    tp_backend: Literal["native", "nccl"] = Field(
+        default="native", description="Tensor-parallel communication: exllamav3's native one, or NCCL."
+    )
+    use_per_device: list[float] | None = Field(
+        default=None,
+        description="GB to use on each GPU, in order (0 leaves a GPU out); None: all of each.",
+    )
+    reserve_per_device: list[float] | None = Field(
+        default=None,
+        description="GB to keep free on each GPU, in order (negative leaves a GPU out); exclusive "
+        "with use_per_device.",
+    )
+    max_batch_size: int = Field(default=8, ge=1, description="Requests decoded together.")
+    max_chunk_size: int = Field(
+        default=2048,
+        ge=_PAGE,
+        description="Prompt tokens evaluated per step; smaller chunks pause running requests for "
+        "less time when a long prompt arrives.",
+    )
+    draft_model: str | None = Field(
+        default=None, description="A small EXL3 model with the same vocabulary, for speculative decoding."
+    )
+    num_draft_tokens: int = Field(default=4, ge=1, le=16, description="Tokens the draft model proposes.")
+    seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
+
+    @field_validator("use_per_device", "reserve_per_device")
+    @classmethod
+    def _one_per_gpu(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and not value:
+            raise ValueError("give one number of GB for each GPU")
+        return value
+
+
+class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
+    """EXL3 (and FP16/BF16) models through exllamav3's generator."""
+
+    name: ClassVar[str] = "exllamav3"
+    formats: ClassVar[frozenset[str]] = frozenset({"exl3", "safetensors"})
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=(STANDARD_SAMPLING - {"logprobs"}) | {"min_tokens"},
+        batching=True,
+        devices=frozenset({"cuda"}),
+    )
+    Options: ClassVar[type[BaseModel]] = ExLlamaV3Options
+    install_hint: ClassVar[str | None] = INSTALL_HINT
+
+    # ---- availability ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        if not nvidia_present():
+            return Availability(False, NO_GPU, INSTALL_HINT)
+        return installed(("exllamav3", "exllamav3"), hint=INSTALL_HINT)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
+        fit = super().suitability(hardware, model, workload)
+        if fit.blockers:
+            return fit
+        gpus = getattr(hardware, "gpus", None)
+        if hardware is not None and gpus is not None:
+            nvidia = sum(1 for g in gpus if g.vendor == "nvidia")
+            if not nvidia:
+                amd = any(g.vendor == "amd" for g in gpus)
+                return Suitability(
+                    0.0,
+                    fit.reasons,
+                    ("exllamav3 runs on NVIDIA (CUDA) GPUs only, and this machine has AMD ones"
+                     if amd else NO_GPU,),
+                )  # fmt: skip
+        else:
+            nvidia = 0
+        reasons = list(fit.reasons)
+        if nvidia > 1:
+            many = f"splits the model across {nvidia} NVIDIA GPUs (by layers, or tensor_parallel)"
+            reasons.append(many if nvidia <= _CONSUMER_GPUS else f"{many}; built for 2-4 consumer GPUs")
+        elif nvidia == 1:
+            reasons.append("runs on one NVIDIA GPU")
+        if getattr(model, "experts", None):
+            reasons.append("MoE: expert parallelism across GPUs under tensor_parallel")
+        if getattr(model, "format", None) == "safetensors":  # it reads them; other engines are better
+            return Suitability(0.5, (*reasons, "loads unquantized FP16/BF16 weights too"))
+        return Suitability(fit.score, tuple(reasons))
+
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        """Batching needs room for more than one request (``max_batch_size`` > 1)."""
+        batch = getattr(options, "max_batch_size", 2)
+        return cls.capabilities if batch > 1 else replace(cls.capabilities, batching=False)
+
+    @classmethod
+    def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
+        """The base steps (a shorter context), then a smaller cache pool (half as many requests
+        at full length), then a quantized KV cache (exllamav3 allocates the whole cache at load):
+        Q8 when it is FP16, then Q4."""
+        steps = [*super().fallbacks(config, facts)]
+        opts = config.options_for(cls.name)
+        batch = int(opts.get("max_batch_size", 8))
+        if batch > 1 and not opts.get("cache_size"):
+            steps.append(
+                Fallback(
+                    f"max_batch_size={batch // 2}", Cost.CAPABILITY, options={"max_batch_size": batch // 2}
+                )
+            )
+        cache_type = opts.get("cache_type", "fp16")
+        if cache_type == "fp16":
+            steps.append(_cache_step("q8"))
+        if cache_type in ("fp16", "q8", "q6"):
+            steps.append(_cache_step("q4"))
+        return steps
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        """The installed exllamav3, found without importing it (its import compiles CUDA code,
+        and fails where there is no CUDA)."""
+        if find_spec("exllamav3") is None:
+            return None
+        avail = installed(("exllamav3", "exllamav3"), hint=INSTALL_HINT)
+        gpus = getattr(hardware, "gpus", ()) or ()
+        if not any(g.vendor == "nvidia" for g in gpus):
+            findings.append(
+                "exllamav3 is installed but there is no NVIDIA GPU: it cannot run here (its import "
+                "compiles CUDA code and fails without CUDA)"
+            )
+        elif find_spec("exllamav3_ext") is None and not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
+            findings.append(
+                "exllamav3 has no prebuilt extension and there is no CUDA toolkit (nvcc, CUDA_HOME): "
+                "its first import, which compiles one, will fail"
+            )
+        return EngineBuild("exllamav3", avail.version, ("cuda",))
+
+    # ---- load ----
+
+    def _load(self) -> None:
+        opts = self.options
+        path = checked_dir(self.config.model, self.facts, "model")
+        avail = self.available()
+        if not avail.available:
+            raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
+        if opts.max_seq_len and self.config.context_length and opts.max_seq_len != self.config.context_length:
+            raise ConfigError(
+                f"context_length={self.config.context_length} and options max_seq_len={opts.max_seq_len} "
+                "disagree; set only one"
+            )
+        if opts.use_per_device and opts.reserve_per_device:
+            raise ConfigError("set use_per_device or reserve_per_device, not both")
+        try:
+            import exllamav3 as exl
+        except (ImportError, OSError, RuntimeError) as exc:  # its import compiles a CUDA extension
+            raise BackendUnavailable(
+                self.name, f"exllamav3 failed to import (it needs CUDA): {exc}", INSTALL_HINT
+            ) from exc
+
+        config = model_config(exl, path, "model")
+        trained = int(getattr(config, "max_position_embeddings", 0) or _DEFAULT_CONTEXT)
+        n_ctx = opts.max_seq_len or self.config.context_length or min(trained, _DEFAULT_CONTEXT)
+        draft_tokens = opts.num_draft_tokens if opts.draft_model else 0
+        batch = opts.max_batch_size
+        want = opts.cache_size or n_ctx * batch
+        # a job holds its prompt, max_tokens + 1 (exllamav3 counts one short) and the draft window
+        cache_size = -(-max(want, n_ctx + draft_tokens + 2) // _PAGE) * _PAGE
+        model, cache = self._load_weights(exl, config, cache_size, "model", main=True)
+        loaded = [model]
+        try:
+            draft = draft_cache = None
+            if opts.draft_model:
+                dpath = checked_dir(opts.draft_model, self.facts.for_path(opts.draft_model), "draft model")
+                dconfig = model_config(exl, dpath, "draft model")
+                if dconfig.vocab_size != config.vocab_size:
+                    raise ConfigError(
+                        f"the draft model's vocabulary ({dconfig.vocab_size}) differs from the model's "
+                        f"({config.vocab_size}); speculative decoding needs the same tokenizer"
+                    )
+                draft, draft_cache = self._load_weights(exl, dconfig, cache_size, "draft model", main=False)
+                loaded.append(draft)
+            tokenizer = _tokenizer(exl, config, path)
+            try:
+                generator = exl.Generator(
+                    model=model,
+                    cache=cache,
+                    tokenizer=tokenizer,
+                    max_batch_size=batch,
+                    max_chunk_size=opts.max_chunk_size,
+                    draft_model=draft,
+                    draft_cache=draft_cache,
+                    num_draft_tokens=draft_tokens or None,
+                )
+            except Exception as exc:
+                raise load_error(exc, "generator", "cache", str(path)) from exc
+        except BaseException:
+            for m in loaded:
+                m.unload()
+            raise
+        self._models, self._cache, self._tokenizer, self._generator = loaded, cache, tokenizer, generator
+        self._Job, self._Combo = exl.Job, exl.ComboSampler
+        self._proto = tokenizer.single_token(0)  # makes tensors like exllamav3's: no torch import here
+        self._n_ctx = self.context_length = n_ctx
+        self._draft_tokens = draft_tokens
+        self.vocab_size = int(config.vocab_size or tokenizer.actual_vocab_size)
+        self.eos_token_ids = eos_ids(config, tokenizer, self.vocab_size)
+        self._eos = tuple(sorted(self.eos_token_ids))
+        tok_cfg = tokenizer.tokenizer_config_dict or {}
+        self._add_bos = bool(tok_cfg.get("add_bos_token", False))
+        self._template = template(tokenizer, path)
+        # bytes per token from the cache exllamav3 built (its quantized layers' scales included)
+        layers = list(cache.layers.values())
+        stored = sum(int(layer.storage_size()) for layer in layers)
+        self._bpt = stored // cache.max_num_tokens if layers else None
+        self._stats_lock = threading.Lock()
+        self._queries = self._hits = 0
+        self._runner = JobRunner(generator)
+
+    def _load_weights(
+        self, exl: Any, config: Any, cache_size: int, what: str, *, main: bool
+    ) -> tuple[Any, Any]:
+        """The model and its cache (created first: exllamav3 allocates attached caches at load)."""
+        opts = self.options
+        model = exl.Model.from_config(config)
+        kwargs: dict[str, Any] = {"max_chunk_size": opts.max_chunk_size, "progressbar": False}
+        if main and opts.tensor_parallel:
+            kwargs.update(tensor_p=True, tp_backend=opts.tp_backend)
+            if opts.moe_tensor_split:
+                kwargs["tp_options"] = {"moe_tensor_split": True}
+        if main:
+            kwargs["max_batch_size"] = opts.max_batch_size
+            if opts.use_per_device:
+                kwargs["use_per_device"] = list(opts.use_per_device)
+            if opts.reserve_per_device:
+                kwargs["reserve_per_device"] = list(opts.reserve_per_device)
+        stage = "cache"
+        try:
+            if opts.cache_type == "fp16":
+                cache = exl.Cache(model, max_num_tokens=cache_size, layer_type=exl.CacheLayer_fp16)
+            else:
+                bits = CACHE_BITS[opts.cache_type]
+                cache = exl.Cache(
+                    model,
+                    max_num_tokens=cache_size,
+                    layer_type=exl.CacheLayer_quant,
+                    k_bits=bits,
+                    v_bits=bits,
+                )
+            stage = "weights and cache"
+            model.load(**kwargs)
+        except Exception as exc:
+            model.unload()
+            raise load_error(exc, what, stage, str(config.directory)) from exc
+        return model, cache
+
+    # ---- stream ----
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
+        tok = self._tokenizer
+        if isinstance(prompt, str):
+            add_bos = self._add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
+            tensor = tok.encode(prompt, add_bos=add_bos, encode_special_tokens=True)
+            ids = [int(t) for t in tensor[0].tolist()]
+        else:
+            ids = list(prompt)  # the base class checked the ids against the vocabulary
+            tensor = self._proto.new_tensor([ids])
+        check_prompt(ids, self._n_ctx, params.max_tokens)
+        if len(ids) + params.max_tokens > self._n_ctx:
+            exc = ContextLengthExceeded(len(ids), self._n_ctx, params.max_tokens)
+            exc.args = (
+                f"a prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} does not fit the "
+                f"context window of {self._n_ctx} tokens (exllamav3 reserves the whole completion's "
+                "cache pages up front). Lower max_tokens, shorten the prompt or load with a larger "
+                "max_seq_len.",
+            )
+            raise exc
+        return ids, tensor
+
+    def _stream(
+        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+    ) -> Iterator[RawPiece]:
+        ids, tensor = prepared
+        req.prompt_tokens = len(ids)
+        stops: list[int | str] = [*params.stop_token_ids, *(() if params.ignore_eos else self._eos)]
+        job = self._Job(
+            input_ids=tensor,
+            # exllamav3's Job keeps max_new_tokens - 1 (and ends num_draft_tokens early when it
+            # drafts): ask for that many more; the base class's max_tokens count is the limit
+            max_new_tokens=params.max_tokens + 1 + self._draft_tokens,
+            min_new_tokens=params.min_tokens,
+            sampler=self._sampler(params),
+            seed=params.seed if params.seed is not None else self.options.seed,
+            stop_conditions=list(dict.fromkeys([*stops, *params.stop])),
+        )
+        runner = self._runner  # close() drops the attribute while this stream may still run
+        live = runner.submit(job)
+        try:
+            # the job's results up to the last one; leaving early cancels the job (frees its pages)
+            with closing(runner.events(live, last=job_done)) as events:  # type: ignore[type-var]
+                for r in events:
+                    text: str = r.get("text", "")
+                    out = tuple(int(t) for t in r["token_ids"][0].tolist()) if "token_ids" in r else ()
+                    if r["eos"]:
+                        if r.get("eos_reason") == "stop_token":
+                            text, out = self._held_before_stop(r)
+                        self._finish(r, req, len(ids))
+                    if text or out:
+                        yield text, out, None
+        except Exception as exc:  # a failed step (the worker's), or a closed engine
+            err = generation_error(exc)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def _finish(self, r: dict[str, Any], req: Request, prompt_tokens: int) -> None:
+        req.finish_reason = "length" if r.get("eos_reason") == "max_new_tokens" else "stop"
+        req.prompt_tokens = int(r.get("prompt_tokens", prompt_tokens))
+        cached = r.get("cached_tokens")
+        req.cached_tokens = int(cached) if cached is not None else None
+        req.prefill_s = r.get("time_prefill")
+        req.decode_s = r.get("time_generate")
+        req.queue_s = r.get("time_enqueued")
+        with self._stats_lock:  # prompt tokens looked up, and those the cache held
+            self._queries += req.prompt_tokens
+            self._hits += req.cached_tokens or 0
+
+    def _held_before_stop(self, r: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+        """Text exllamav3 still held (a partial stop string, an unfinished character) when a stop
+        token ended the job: it reports it under ``held``, with the stop token last."""
+        held = r.get("held") or {}
+        ids = [int(t) for t in held["token_ids"][0].tolist()[:-1]] if "token_ids" in held else []
+        if not ids:
+            return "", ()
+        return str(self._tokenizer.decode(self._proto.new_tensor(ids))), tuple(ids)
+
+    def _sampler(self, params: SamplingParams) -> Any:
+        """exllamav3's ComboSampler: penalties and logit bias, then argmax at temperature 0, else
+        temperature, min-p, top-k, top-p and a sample."""
+        return self._Combo(
+            rep_p=params.repetition_penalty,
+            freq_p=params.frequency_penalty,
+            pres_p=params.presence_penalty,
+            temperature=params.temperature,
+            min_p=params.min_p,
+            top_k=params.top_k or 0,
+            top_p=params.top_p,
+            logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        )
+
+    # ---- chat and tokenizer ----
+
+    def _chat_template(self) -> str | None:
+        return self._template
+
+    def _special_tokens(self) -> dict[str, str]:
+        tok = self._tokenizer
+        return {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text, encode_special_tokens=True)[0].tolist()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        tensor = self._proto.new_tensor([int(t) for t in ids])
+        return str(self._tokenizer.decode(tensor, decode_special_tokens=True))
+
+    # ---- kv_stats ----
+
+    def kv_stats(self) -> KVStats:
+        pagetable, bpt = self._generator.pagetable, self._bpt
+        capacity = int(self._cache.max_num_tokens)
+        # the page table belongs to the worker thread: read it there, between two steps
+        in_use = self._runner.call(lambda: [int(p.kv_position) for p in pagetable.referenced_pages.values()])
+        used = sum(in_use)
+        return KVStats(
+            capacity_tokens=capacity,
+            used_tokens=used,
+            bytes_per_token=bpt,
+            capacity_bytes=bpt * capacity if bpt is not None else None,
+            used_bytes=bpt * used if bpt is not None else None,
+            block_size=_PAGE,
+            total_blocks=int(pagetable.max_pages),
+            used_blocks=len(in_use),
+            dtype=self.options.cache_type,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    def reset(self) -> None:
+        """Forget the cached prefix pages (the next request evaluates its whole prompt)."""
+        gen = self._generator
+
+        def reset_pages() -> None:
+            if gen.num_remaining_jobs():
+                raise GenerationError("cannot reset the KV cache while requests are running")
+            gen.pagetable.reset_page_table()
+
+        self._runner.call(reset_pages)
+
+    # ---- close ----
+
+    def _close(self) -> None:
+        runner = self.__dict__.pop("_runner", None)
+        if runner is not None:
+            runner.close()
+        for model in self.__dict__.pop("_models", ()):
+            model.unload()
+        for attr in ("_generator", "_cache", "_tokenizer", "_proto"):
+            self.__dict__.pop(attr, None)
+        gc.collect()  # the generator's page table refers back to it: the cache goes at a collection
+        torch = sys.modules.get("torch")  # exllamav3 imported it; this plugin never does
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ---- helpers ----
+
+
+def _tokenizer(exl: Any, config: Any, path: Path) -> Any:
+    try:
+        return exl.Tokenizer.from_config(config)
+    except (FileNotFoundError, ValueError, OSError, KeyError) as exc:
+        raise ModelFormatError(f"exllamav3 cannot read the tokenizer of {str(path)!r}: {exc}") from exc
+
+
+def _cache_step(cache_type: str) -> Fallback:
+    return Fallback(
+        f"cache_type={cache_type}",
+        Cost.QUALITY,
+        options={"cache_type": cache_type},
+        kv_cache_dtype=cache_type,
+    )
