@@ -15,12 +15,13 @@ import pytest
 from _ov import F32, open_engine
 from unillm_openvino_genai.engine import OpenVINOGenAIEngine
 
-from unillm.testing import TinyModel, build_tiny_model, convert_tiny
+from unillm.testing import TinyModel, convert_tiny, tiny_model
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), "small")
+def tiny() -> TinyModel:
+    # in $UNILLM_CACHE (else ~/.cache/unillm): the IR export is cached beside it, for the next run
+    return tiny_model("small")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,84 @@
+"""The openvino-genai plugin's own tests pass (on the tiny model's OpenVINO IR export, against
+llama.cpp on the same weights), it imports only unillm's public names, and it is found through a
+real entry point beside the built-ins: ``auto_engine`` on an IR directory picks it with no change
+to unillm."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from ._plugin_util import ROOT, clean_env, fake_install, run
+
+PLUGIN = ROOT / "plugins" / "unillm-openvino-genai"
+pytestmark = pytest.mark.skipif(
+    not all(__import__("importlib").util.find_spec(m) for m in ("openvino_genai", "llama_cpp")),
+    reason="needs openvino-genai and llama-cpp-python",
+)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, converter_python: str) -> dict[str, str]:
+    # one cache for the module: the tiny model's IR export (~18 s) is made once and shared
+    return {**clean_env(tmp_path_factory.mktemp("unillm-cache")), "UNILLM_CONVERTER_PYTHON": converter_python}
+
+
+def test_the_plugin_imports_nothing_private() -> None:
+    imported: list[str] = []
+    for path in PLUGIN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.append(node.module)
+    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    assert ours, "the plugin should use unillm"
+    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
+    assert private == [], f"the plugin imports private modules: {private}"
+
+
+def test_openvino_genai_plugin_tests_pass(env: dict[str, str]) -> None:
+    plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
+    out = run(
+        ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
+        plugin_env,
+        timeout=400,
+    )
+    passed = int(re.findall(r"(\d+) passed", out)[-1])
+    assert passed >= 34, out
+    assert not re.search(r"\d+ (failed|error|skipped)", out), out
+
+
+AUTO = """
+import sys, unillm
+from unillm.testing import convert_tiny, tiny_model
+ir = convert_tiny(tiny_model("small"), "openvino")
+for name, info in unillm.backends().items():
+    print(f"backend {name} from {info.source}")
+from unillm._plugins import default_registry
+print("failures", default_registry().failures)
+with unillm.auto_engine(str(ir)) as e:
+    print("chosen", e.name, type(e).__module__)
+    print("ranked", [c.name for c in e.selection.candidates])
+    print("text", e.generate("Paris is", max_tokens=4, temperature=0.0).usage.completion_tokens)
+"""
+
+
+def test_it_is_found_through_its_entry_point_and_auto_engine_picks_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
+    fake_install(tmp_path, "unillm-openvino-genai", "openvino-genai", "unillm_openvino_genai")
+    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    out = run(["-c", AUTO], plugin_env)
+    assert "backend openvino-genai from openvino-genai" in out, out
+    assert "backend llama.cpp from builtin" in out  # the plugin sits beside the built-ins
+    assert "failures []" in out
+    assert "chosen openvino-genai unillm_openvino_genai.engine" in out, out
+    ranked = re.search(r"ranked (\[.*\])", out)
+    assert ranked and ranked.group(1).startswith("['openvino-genai'"), out
+    assert "text 4" in out
