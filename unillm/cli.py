@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from unillm._cli_bench import bench_app
 from unillm._cli_common import _console, _esc
 from unillm._cli_demo import build_tiny, demo
 from unillm._cli_doctor import backends_cmd, doctor
@@ -74,6 +75,7 @@ app.command("select")(select_cmd)
 app.command()(generate)
 app.command()(chat)
 app.command()(serve)
+app.add_typer(bench_app, name="bench")
 app.command()(demo)
 testing_app.command("build-tiny")(build_tiny)
 

@@ -1,0 +1,233 @@
+"""The benchmark entry points: an engine in this process, a model on several backends, a URL.
+
+Each returns the result document (``unillm.bench._result``); ``write_result`` writes it once its
+metadata is complete. Ctrl-C during a run ends it early: what was measured is returned, marked
+``partial``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from unillm.bench._meta import BenchError, collect, engine_metadata, model_metadata
+from unillm.bench._prompts import HFTokenizer, Prompts
+from unillm.bench._result import build_result
+from unillm.bench._runner import Bench, Level, Progress
+from unillm.bench._targets import EngineTarget, HttpTarget
+from unillm.bench._workload import Workload, load_workload
+
+if TYPE_CHECKING:
+    from unillm._engine import Engine
+    from unillm._hardware import Hardware
+    from unillm._inspect import ModelInfo
+    from unillm._plan import Plan
+
+__all__ = ["bench_backends", "bench_engine", "bench_url", "model_path_for"]
+
+
+def _run(bench: Bench) -> tuple[list[Level], bool]:
+    async def main() -> list[Level]:
+        try:
+            return await bench.run()
+        finally:
+            await bench.target.aclose()
+
+    try:
+        return asyncio.run(main()), False
+    except KeyboardInterrupt:
+        return bench.interrupted(), True
+
+
+def _plans(
+    info: ModelInfo | None, hardware: Hardware | None, levels: Sequence[Level], context: int | None
+) -> list[Plan | None]:
+    if info is None or hardware is None:
+        return [None] * len(levels)
+    from unillm._plan import Workload as PlanWorkload
+    from unillm._plan import plan
+
+    out: list[Plan | None] = []
+    for level in levels:
+        n = int(level.value) if level.kind == "concurrency" else max(1, level.peak_in_flight)
+        try:
+            out.append(plan(info, hardware, PlanWorkload(context_length=context or 4096, concurrency=n)))
+        except Exception:  # the plan is context, never a reason to lose a run
+            out.append(None)
+    return out
+
+
+def bench_engine(
+    engine: Engine[Any],
+    workload: Workload | dict[str, Any] | str | Path,
+    *,
+    model_name: str | None = None,
+    model_path: str | Path | None = None,
+    price_per_hour: float | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Benchmark a loaded ``engine`` under ``workload``; the result document.
+
+    ``model_name`` labels the model (default: the name of its path); ``model_path`` is where its
+    weights are (default: the engine's ``config.model``), for the metadata's hash.
+    """
+    wl = load_workload(workload)
+    target = EngineTarget(engine, wl)
+    prompts = Prompts(wl, engine, vocab_size=engine.vocab_size)
+    bench = Bench(target, wl, prompts, progress=progress)
+    levels, interrupted = _run(bench)
+    facts = engine.facts
+    path = Path(model_path or engine.config.model)
+    info = facts.model
+    meta = collect(
+        model=model_metadata(model_name or _name(path), path, info),
+        engine=engine_metadata(engine),
+        hardware=facts.hardware,
+        workload=wl.as_dict(),
+    )
+    return build_result(
+        metadata=meta,
+        target={"kind": "engine", "backend": engine.name},
+        workload=wl,
+        levels=levels,
+        output_enforcement=target.output_enforcement,
+        prompt_lengths_exact=prompts.exact,
+        plans=_plans(info, facts.hardware, levels, engine.context_length),
+        partial=interrupted,
+        price_per_hour=price_per_hour,
+    )
+
+
+def _name(path: Path) -> str:
+    # the tiny builders' and HF's layouts put the weights in a directory named for their format
+    return (
+        path.parent.name if path.name in ("hf", "mlx", "gguf") else path.stem if path.is_file() else path.name
+    )
+
+
+def model_path_for(model: str | Path, backend: str) -> Path:
+    """The file or directory of ``model`` that ``backend`` reads: in a directory holding an HF
+    directory and a GGUF of the same weights, its own format of them."""
+    from unillm._model_path import model_formats
+    from unillm._plugins import default_registry
+
+    formats = model_formats(model)
+    cls = default_registry().get(backend)
+    if "gguf" in cls.formats and "gguf" in formats:
+        return formats["gguf"]
+    if "gguf" not in cls.formats and "hf" in formats:
+        return formats["hf"]
+    return Path(model)
+
+
+def bench_backends(
+    model: str | Path,
+    backends: Sequence[str],
+    workload: Workload | dict[str, Any] | str | Path,
+    *,
+    context_length: int | None = None,
+    model_name: str | None = None,
+    price_per_hour: float | None = None,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    """The same workload on each of ``backends``, one after another, each loading ``model`` in its
+    own format (``model_path_for``) and closed before the next loads; a result per backend."""
+    from unillm._auto import auto_engine
+
+    wl = load_workload(workload)
+    name = model_name or _name(Path(model))
+    out = []
+    for backend in backends:
+        path = model_path_for(model, backend)
+        engine = auto_engine(path, backend=backend, context_length=context_length)
+        try:
+            out.append(
+                bench_engine(
+                    engine,
+                    wl,
+                    model_name=name,
+                    model_path=path,
+                    price_per_hour=price_per_hour,
+                    progress=progress,
+                )
+            )
+        finally:
+            engine.close()
+        if out[-1]["partial"]:
+            break  # interrupted: the backends not run yet stay unrun
+    return out
+
+
+def bench_url(
+    url: str,
+    workload: Workload | dict[str, Any] | str | Path,
+    *,
+    model: str | None = None,
+    model_path: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    engine_name: str | None = None,
+    engine_version: str | None = None,
+    api_key: str | None = None,
+    price_per_hour: float | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Benchmark an OpenAI-compatible server at ``url``. ``model`` is the name to send (default:
+    the first the server lists); ``model_path`` the model's files on this machine (metadata, and
+    the tokenizer when ``tokenizer`` is not given: an HF directory or its ``tokenizer.json``)."""
+    from unillm._facts import machine
+    from unillm._model_path import hf_dir_in
+
+    wl = load_workload(workload)
+    tok_source = tokenizer or (hf_dir_in(model_path) if model_path else None)
+    tok = HFTokenizer(tok_source) if tok_source else None
+    target = HttpTarget(url, model or "", wl, api_key=api_key)
+    if not model:
+        names = asyncio.run(_models(url, api_key))
+        if not names:
+            raise BenchError(f"{url} lists no model at /v1/models; pass the model name to send")
+        target.model = names[0]
+    prompts = Prompts(wl, tok, vocab_size=getattr(tok, "vocab_size", None))
+    bench = Bench(target, wl, prompts, progress=progress)
+    levels, interrupted = _run(bench)
+    info = _inspect(model_path)
+    hardware = machine()
+    engine = {"name": engine_name, "version": engine_version, "url": url, "served_model": target.model}
+    meta = collect(
+        model=model_metadata(_name(Path(model_path)) if model_path else target.model, model_path, info),
+        engine=engine,
+        hardware=hardware,
+        workload=wl.as_dict(),
+    )
+    return build_result(
+        metadata=meta,
+        target={"kind": "http", "url": url, "model": target.model},
+        workload=wl,
+        levels=levels,
+        output_enforcement=target.output_enforcement,
+        prompt_lengths_exact=prompts.exact,
+        plans=_plans(info, hardware, levels, info.context_length if info else None),
+        partial=interrupted,
+        price_per_hour=price_per_hour,
+    )
+
+
+async def _models(url: str, api_key: str | None) -> list[str]:
+    probe = HttpTarget(url, "", Workload(), api_key=api_key)
+    try:
+        return await probe.models()
+    finally:
+        await probe.aclose()
+
+
+def _inspect(path: str | Path | None) -> ModelInfo | None:
+    if not path:
+        return None
+    from unillm._errors import UnillmError
+    from unillm._inspect import inspect_model
+
+    try:
+        return inspect_model(str(path))
+    except UnillmError:
+        return None
