@@ -12,9 +12,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from unillm_exllamav3.engine import ASSUME_GPU_ENV
 
 from unillm.testing import TinyModel, build_tiny_model
-from unillm_exllamav3.engine import ASSUME_GPU_ENV
 
 FAKE = Path(__file__).resolve().parent / "fake_exllamav3"
 if str(FAKE) not in sys.path:  # the main suite's subprocess puts it on PYTHONPATH already

@@ -23,8 +23,6 @@ __all__ = [
 ]
 
 
-
-
 class SS_Base:
     """One step: takes logits (float64, -inf for removed tokens) and returns them, or a token."""
 
