@@ -1,0 +1,191 @@
+"""unillm bench on real engines: a short side-by-side run on llama.cpp and MLX in-process with the
+tiny model (each in its own format of the same weights), and HTTP runs against real servers on
+loopback (``unillm serve`` and llama-cpp-python's own server). Tiny workloads: a few seconds each."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._server_util import start_server, wait_until
+from unillm.bench import bench_url, read_result, write_result
+from unillm.bench._meta import REQUIRED, missing_metadata
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+HAS_MLX = importlib.util.find_spec("mlx_lm") is not None
+needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+
+WORKLOAD = [
+    "--requests",
+    "4",
+    "--concurrency",
+    "1,2",
+    "--input-len",
+    "24",
+    "--output-len",
+    "8",
+    "--warmup",
+    "1",
+]
+
+
+def check_exact(result: dict[str, Any], input_len: int, output_len: int) -> None:
+    """No errors; every prompt and output as long as the workload drew it."""
+    assert result["prompt_lengths_exact"] is True
+    for level in result["levels"]:
+        s = level["summary"]
+        assert s["errors"] == {} and s["completed"] == s["requests"]
+        assert s["output_len_mismatches"] == 0
+        assert {r["input_tokens"] for r in level["records"]} == {input_len}
+        assert {r["output_tokens"] for r in level["records"]} == {output_len}
+        assert s["ttft"]["p50"] > 0 and s["tpot"]["p50"] > 0 and s["itl"]["count"] > 0
+
+
+@needs_llama_cpp
+def test_side_by_side_on_llama_cpp_and_mlx(tiny: Any, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    backends = ["llama.cpp", *(["mlx"] if HAS_MLX else [])]
+    out = tmp_path / "out"
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(tiny.root),
+            "--backends",
+            ",".join(backends),
+            *WORKLOAD,
+            "--context",
+            "512",
+            "--out",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    files = sorted(out.glob("bench-*.json"))
+    assert len(files) == len(backends)
+    results = [read_result(f) for f in files]
+    by_engine = {r["metadata"]["engine"]["name"]: r for r in results}
+    assert set(by_engine) == set(backends)
+    for r in results:
+        assert missing_metadata(r["metadata"]) == [], r["metadata"]
+        assert r["output_lengths"]["enforced"] and not r["partial"]
+        check_exact(r, 24, 8)
+        assert [lv["value"] for lv in r["levels"]] == [1, 2]
+        mem = r["levels"][0]["memory"]
+        assert mem["peak_rss_bytes"] > 0 and mem["plan"]["total_bytes"] > 0
+        assert r["levels"][0]["kv"]["capacity_tokens"]
+    assert by_engine["llama.cpp"]["metadata"]["weights"]["format"] == "gguf"
+    if HAS_MLX:
+        mlx = by_engine["mlx"]["metadata"]
+        assert mlx["weights"]["format"] != "gguf" and mlx["weights"]["files"] == ["model.safetensors"]
+        assert by_engine["mlx"]["levels"][1]["peak_in_flight"] == 2  # a batching engine gets both
+    assert "| llama.cpp " in res.output and "| c=2 |" in res.output
+    for png in out.glob("*.png"):
+        assert png.stat().st_size > 5000
+    assert len(list(out.glob("*.png"))) == 2
+
+
+def test_every_required_field_is_named_in_the_docs() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "benchmarks.md").read_text()
+    for field in REQUIRED:
+        assert f"`{field}`" in doc, field
+
+
+@pytest.fixture(scope="module")
+def unillm_server(tiny: Any) -> Iterator[Any]:
+    if not HAS_LLAMA_CPP:
+        pytest.skip("llama-cpp-python is not installed")
+    s = start_server([str(tiny.gguf_path), "--backend", "llama.cpp", "--alias", "tiny", "--context", "512"])
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_http_run_against_unillm_serve(unillm_server: Any, tiny: Any, tmp_path: Path) -> None:
+    wl = {"input_len": 20, "output_len": 6, "requests": 4, "concurrency": [2], "warmup": 1}
+    result = bench_url(
+        unillm_server.v1, wl, model_path=tiny.gguf_path, tokenizer=tiny.hf_dir,
+        engine_name="unillm serve (llama.cpp)", engine_version="0.1.0",
+    )  # fmt: skip
+    assert result["target"] == {"kind": "http", "url": unillm_server.v1, "model": "tiny"}
+    check_exact(result, 20, 6)
+    path = write_result(result, tmp_path / "http.json")
+    assert missing_metadata(json.loads(path.read_text())["metadata"]) == []
+
+
+def test_http_chat_and_no_stream(unillm_server: Any, tiny: Any) -> None:
+    wl = {"input_len": 12, "output_len": 5, "requests": 2, "warmup": 0, "mode": "chat", "stream": False}
+    result = bench_url(unillm_server.url, wl, tokenizer=tiny.hf_dir)
+    s = result["levels"][0]["summary"]
+    assert s["errors"] == {} and s["ttft"]["count"] == 0 and s["e2e"]["count"] == 2  # no stream, no TTFT
+    assert {r["output_tokens"] for r in result["levels"][0]["records"]} == {5}
+
+
+def test_a_url_result_without_engine_version_is_not_written(
+    unillm_server: Any, tiny: Any, tmp_path: Path
+) -> None:
+    from unillm.bench import IncompleteResult
+
+    result = bench_url(unillm_server.v1, {"input_len": 8, "output_len": 2, "requests": 1, "warmup": 0})
+    assert result["levels"][0]["summary"]["completed"] == 1
+    with pytest.raises(IncompleteResult, match=r"engine\.version"):
+        write_result(result, tmp_path / "x.json")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@needs_llama_cpp
+def test_http_run_against_llama_cpp_server(tiny: Any) -> None:
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(tiny.gguf_path), "--host", "127.0.0.1",
+        "--port", str(port), "--n_ctx", "512", "--interrupt_requests", "False",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ}
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/models", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return proc.poll() is not None  # ends the wait; the assertion below reports it
+
+    try:
+        wait_until(up, 120, "llama_cpp.server to answer /v1/models")
+        assert proc.poll() is None, "llama_cpp.server exited"
+        wl = {"input_len": 16, "output_len": 6, "requests": 3, "concurrency": [1], "warmup": 1}
+        result = bench_url(url, wl, tokenizer=tiny.hf_dir, engine_name="llama-cpp-python server")
+        s = result["levels"][0]["summary"]
+        assert s["errors"] == {} and s["completed"] == 3
+        # its server reads no ignore_eos: the result says how many outputs came out short
+        assert s["output_len_mismatches"] == sum(
+            1 for r in result["levels"][0]["records"] if r["output_tokens"] != 6
+        )
+        assert {r["input_tokens"] for r in result["levels"][0]["records"]} == {16}
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(15)
