@@ -1,0 +1,138 @@
+"""The exllamav3 plugin's own tests pass (against its fake of exllamav3's API: the real one needs
+CUDA at import), it imports no private unillm module, and it is found through a real entry point
+beside the built-ins: `unillm select` and `auto_engine` pick it for an EXL3 directory on an NVIDIA
+machine (a hardware profile), with no change to unillm."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from unillm.testing import TinyModel
+
+from ._plugin_util import ROOT, clean_env, fake_install, run
+
+PLUGIN = ROOT / "plugins" / "unillm-exllamav3"
+FAKE = PLUGIN / "tests" / "fake_exllamav3"
+FOUR_4090 = ROOT / "tests" / "profiles" / "rtx4090-4x-pcie.json"
+LAPTOP = ROOT / "tests" / "profiles" / "laptop-8gb-cpu.json"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return clean_env(tmp_path_factory.mktemp("unillm-cache"))
+
+
+@pytest.fixture(scope="module")
+def exl3_dir(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as exllamav3's converter leaves it: an EXL3 quantization_config (the fake
+    reads only the weights' size)."""
+    where = tmp_path_factory.mktemp("exl3") / "tiny-exl3"
+    shutil.copytree(tiny.hf_dir, where)
+    cfg = json.loads((where / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "exl3", "version": "1.4.1", "bits": 4.0, "head_bits": 6}
+    (where / "config.json").write_text(json.dumps(cfg))
+    return where
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("site")
+    fake_install(where, "unillm-exllamav3", "exllamav3", "unillm_exllamav3")
+    return where
+
+
+def test_exllamav3_plugin_tests_pass(env: dict[str, str]) -> None:
+    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(FAKE)])}
+    out = run(
+        ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider"], plugin_env, timeout=300
+    )
+    passed = int(re.findall(r"(\d+) passed", out)[-1])
+    assert passed >= 40, out
+    assert not re.search(r"\d+ (failed|error|skipped)", out), out
+
+
+def test_the_plugin_imports_nothing_private() -> None:
+    imported: list[str] = []
+    for path in [*(PLUGIN / "unillm_exllamav3").rglob("*.py"), *(PLUGIN / "tests").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.append(node.module)
+    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    assert ours, "the plugin should use unillm"
+    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
+    assert private == [], f"the plugin imports private modules: {private}"
+
+
+def test_found_through_its_entry_point_beside_the_built_ins(env: dict[str, str], site: Path) -> None:
+    script = (
+        "import unillm\n"
+        "from unillm._plugins import default_registry\n"
+        "for name, info in unillm.backends().items():\n"
+        "    print(f'backend {name} from {info.source}')\n"
+        "print('failures', default_registry().failures)\n"
+        "print('guide', [e.reason for e in default_registry().guide() if e.engine == 'exllamav3'])\n"
+        "print('available', unillm.backends()['exllamav3'].availability())\n"
+    )
+    out = run(["-c", script], {**env, "PYTHONPATH": os.pathsep.join([str(site), str(PLUGIN)])})
+    assert "backend exllamav3 from exllamav3" in out
+    assert "backend exllamav2 from builtin" in out and "backend llama.cpp from builtin" in out
+    assert "failures []" in out
+    assert "EXL3 is ExLlamaV3's format" in out and "2-4 NVIDIA GPUs, local use" in out  # core's and its own
+    # this machine: no NVIDIA GPU (and no exllamav3), said with the reason and the install hint
+    assert "available=False" in out and "pip install unillm-exllamav3 exllamav3" in out
+
+
+def test_unillm_select_picks_it_for_exl3_on_nvidia_gpus(
+    env: dict[str, str], site: Path, exl3_dir: Path
+) -> None:
+    script = (
+        "import json, sys\n"
+        "from typer.testing import CliRunner\n"
+        "from unillm.cli import app\n"
+        "r = CliRunner().invoke(app, ['select', sys.argv[1], '--hardware', sys.argv[2], '--explain'])\n"
+        "print(json.dumps({'code': r.exit_code, 'out': r.output}))\n"
+    )
+    paths = os.pathsep.join([str(site), str(PLUGIN)])
+    for profile, picked in ((FOUR_4090, True), (LAPTOP, False)):
+        got = json.loads(run(["-c", script, str(exl3_dir), str(profile)], {**env, "PYTHONPATH": paths}))
+        out = str(got["out"])
+        if picked:
+            assert got["code"] == 0, out
+            assert "backend: exllamav3 (chosen by auto)" in out, out
+            line = next(line for line in out.splitlines() if "exllamav3 [exllamav3]" in line)
+            assert line.strip().startswith("+") and "across 4 NVIDIA GPUs" in line, out
+        else:  # a CPU laptop: nothing can run EXL3, and exllamav3 says why
+            line = next(line for line in out.splitlines() if "exllamav3 [exllamav3]" in line)
+            assert line.strip().startswith("-") and "needs an NVIDIA (CUDA) GPU" in line, out
+
+
+def test_auto_engine_loads_it_for_exl3_on_a_faked_nvidia_machine(
+    env: dict[str, str], site: Path, exl3_dir: Path
+) -> None:
+    script = (
+        "import sys, unillm\n"
+        "from unillm import _auto, load_hardware\n"
+        "_auto._machine = lambda: load_hardware(sys.argv[2])  # the machine auto_engine sees\n"
+        "with unillm.auto_engine(sys.argv[1], context_length=512) as e:\n"
+        "    print('picked', e.name, type(e).__module__)\n"
+        "    print('text', repr(e.generate('The quick brown fox', max_tokens=8, temperature=0).text))\n"
+        "    print(e.selection.explain())\n"
+    )
+    plugin_env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(site), str(PLUGIN), str(FAKE)]),
+        "UNILLM_EXLLAMAV3_ASSUME_GPU": "1",  # the GPU the fake exllamav3 simulates
+    }
+    out = run(["-c", script, str(exl3_dir), str(FOUR_4090)], plugin_env)
+    assert "picked exllamav3 unillm_exllamav3.engine" in out, out
+    assert "text ''" not in out
+    assert "EXL3 is ExLlamaV3's format" in out, out
