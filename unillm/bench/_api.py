@@ -29,14 +29,15 @@ __all__ = ["bench_backends", "bench_engine", "bench_url", "model_path_for"]
 
 
 def _run(bench: Bench) -> tuple[list[Level], bool]:
-    async def main() -> list[Level]:
+    async def main() -> None:
         try:
-            return await bench.run()
+            await bench.run()
         finally:
             await bench.target.aclose()
 
     try:
-        return asyncio.run(main()), False
+        asyncio.run(main())
+        return bench.levels, False
     except KeyboardInterrupt:
         return bench.interrupted(), True
 

@@ -75,6 +75,9 @@ class Level:
     kv_peak_used_tokens: int | None = None
     partial: bool = False
 
+    def __repr__(self) -> str:  # short: asyncio may repr a task's result, and records run long
+        return f"<Level {self.label}: {len(self.records)} requests{' (partial)' if self.partial else ''}>"
+
     def summary(self, workload: Workload) -> dict[str, Any]:
         return summarize(self.records, workload.slo, wall_s=self.wall_s)
 
