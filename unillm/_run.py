@@ -30,6 +30,8 @@ class Request:
     engine's own counters when it has them (otherwise unillm's wall clock is used).
     ``completion_tokens`` is for a backend that knows the count better than the ids it streamed
     (a server that streams text only); left None, the ids streamed are counted.
+    ``stop_sequence`` is for a backend whose engine matched a stop string itself (and so never
+    streamed it): the string it names.
     """
 
     __slots__ = (
@@ -41,6 +43,7 @@ class Request:
         "prefill_s",
         "prompt_tokens",
         "queue_s",
+        "stop_sequence",
     )
 
     def __init__(self) -> None:
@@ -52,6 +55,7 @@ class Request:
         self.decode_s: float | None = None
         self.peak_memory_bytes: int | None = None
         self.queue_s: float | None = None
+        self.stop_sequence: str | None = None
 
 
 class Run:
@@ -97,8 +101,18 @@ class Run:
             Usage(req.prompt_tokens, n, req.cached_tokens),
             _timings(req, t0, self.first or end, end, n),
             lp,
-            self.stops.matched if self.stops is not None and self.finish == "stop" else None,
+            self._stop_sequence(req),
         )
+
+    def _stop_sequence(self, req: Request) -> str | None:
+        if self.stops is None:
+            return None
+        if self.finish == "stop":
+            return self.stops.matched
+        # the engine matched it first (and never streamed it): the string it names, if it is ours
+        if self.finish is None and req.finish_reason == "stop" and req.stop_sequence in self.stops.strings():
+            return req.stop_sequence
+        return None
 
 
 def _timings(req: Request, t0: float, first: float, end: float, n: int) -> Timings:

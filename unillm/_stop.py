@@ -24,6 +24,10 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the completion
 
+    def strings(self) -> tuple[str, ...]:
+        """The stop strings it looks for."""
+        return self._stops
+
     def feed(self, text: str) -> str:
         """Add ``text``; return what can be emitted now. Sets ``stopped`` when a stop string ends
         the completion (the returned text is then everything before it)."""

@@ -74,6 +74,8 @@ def piece(out: Any, req: Request) -> Piece | None:
         lp = lp[: len(ids)] if lp is not None else None
     if out.finished:
         req.finish_reason = "length" if o.finish_reason == "length" else "stop"
+        if isinstance(o.stop_reason, str):  # vLLM matched one of our stop strings itself
+            req.stop_sequence = o.stop_reason
         if out.prompt_token_ids:
             req.prompt_tokens = len(out.prompt_token_ids)
         req.cached_tokens = out.num_cached_tokens

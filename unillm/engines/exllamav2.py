@@ -356,6 +356,8 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                         if reason == "stop_token":
                             text, out = self._held_before_stop(r)
                         req.finish_reason = "length" if reason == "max_new_tokens" else "stop"
+                        if reason == "stop_string":
+                            req.stop_sequence = r.get("eos_triggering_string")
                         req.prompt_tokens = r.get("prompt_tokens", len(ids))
                         req.cached_tokens = r.get("cached_tokens")
                         req.prefill_s = r.get("time_prefill")

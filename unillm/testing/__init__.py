@@ -3,7 +3,8 @@
 - ``MockEngine``: an engine driven by a plain function, for testing code that uses unillm.
 - ``build_tiny_model`` / ``tiny_model``: tiny random-weight Llama models (HF dir + GGUF) built
   here, so real engines can be tested offline.
-- ``check_engine``: the conformance checks every backend must pass.
+- ``Conformance``: the conformance kit, the contract as pytest tests (subclass it in a line);
+  ``check_engine``: the same checks as one function call.
 - ``convert_tiny``: the tiny model through ONNX Runtime GenAI's or OpenVINO's own converter.
 - ``check_parity``: greedy tokens, finish reasons and counts equal across engines on the same
   weights, with near-ties told apart from bugs.
@@ -15,6 +16,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _LAZY = {
+    "Conformance": "unillm.testing._kit",
     "MockEngine": "unillm.testing._mock",
     "WordVocab": "unillm.testing._mock",
     "check_closed": "unillm.testing._conformance",
@@ -29,6 +31,7 @@ _LAZY = {
     "SIZES": "unillm.testing._tiny",
 }
 __all__ = [
+    "Conformance",
     "MockEngine",
     "ParityReport",
     "SIZES",
@@ -47,6 +50,7 @@ __all__ = [
 if TYPE_CHECKING:
     from unillm.testing._conformance import check_closed, check_engine
     from unillm.testing._convert import convert_tiny
+    from unillm.testing._kit import Conformance
     from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from unillm._engine import Engine, Request
+from unillm._errors import ContextLengthExceeded
 from unillm._types import Capabilities, EngineConfig, KVStats, SamplingParams
 
 __all__ = ["MockEngine", "WordVocab"]
@@ -104,11 +105,16 @@ class MockEngine(Engine[Any]):
         self._used = 0
 
     def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> str:
-        return prompt if isinstance(prompt, str) else self.detokenize(prompt)
+        text = prompt if isinstance(prompt, str) else self.detokenize(prompt)
+        n = len(self.tokenize(text))
+        limit = self.context_length
+        if limit is not None and n >= limit:  # as a real engine refuses a prompt that fills its context
+            raise ContextLengthExceeded(n, limit, params.max_tokens)
+        return text
 
     def _stream(
         self, prepared: str, params: SamplingParams, req: Request
-    ) -> Iterator[tuple[str, tuple[int, ...], None]]:
+    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
         self.requests.append(prepared)
         req.prompt_tokens = len(self.tokenize(prepared))
         reply = self._respond(prepared, params)
@@ -119,7 +125,8 @@ class MockEngine(Engine[Any]):
                 req.finish_reason = "length"
                 return
             self._used += 1
-            yield piece, (self._vocab.id(piece),), None
+            # the mock's reply is certain: each piece has probability 1
+            yield piece, (self._vocab.id(piece),), (0.0,) if params.logprobs is not None else None
         req.finish_reason = "stop"
 
     def tokenize(self, text: str) -> list[int]:
