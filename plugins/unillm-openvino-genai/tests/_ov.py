@@ -7,8 +7,8 @@ from pathlib import Path
 from unillm_openvino_genai.engine import OpenVINOGenAIEngine
 
 # bf16 is the CPU plugin's default inference precision where the CPU has it (AMX, AVX512-BF16),
-# which moves greedy tokens off llama.cpp's f32 ones; parity is checked at f32
-F32: dict[str, object] = {"properties": {"INFERENCE_PRECISION_HINT": "f32"}}
+# which moves greedy tokens off llama.cpp's f32 ones; parity is checked with these properties
+F32: dict[str, str] = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
 def open_engine(

@@ -33,5 +33,5 @@ def ir_dir(tiny: TinyModel) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(ir_dir: Path) -> Iterator[OpenVINOGenAIEngine]:
-    with open_engine(ir_dir, **F32) as e:
+    with open_engine(ir_dir, properties=F32) as e:
         yield e

@@ -288,7 +288,6 @@ class OpenVINOGenAIEngine(Engine[OpenVINOGenAIOptions]):
                 item = out.get()
                 if item is _DONE:
                     req.finish_reason = "length" if n >= limit else "stop"
-                    self._timings(result, req)
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -304,6 +303,7 @@ class OpenVINOGenAIEngine(Engine[OpenVINOGenAIOptions]):
         finally:
             cancel.set()  # the streamer returns CANCEL at its next token
             thread.join()  # never leave generate running on a pipeline close() may free
+            self._timings(result, req)
 
     def _timings(self, result: list[Any], req: Request) -> None:
         """Prefill and decode seconds from the pipeline's own counters (milliseconds)."""
@@ -327,8 +327,8 @@ class OpenVINOGenAIEngine(Engine[OpenVINOGenAIOptions]):
         def step(tok: int) -> str:
             nonlocal start, end
             ids.append(tok)
-            before = decode(ids[start:end]) if end > start else ""
-            now = decode(ids[start:])
+            before: str = decode(ids[start:end]) if end > start else ""
+            now: str = decode(ids[start:])
             if len(now) <= len(before) or now.endswith("\ufffd"):
                 return ""
             start, end = end, len(ids)
