@@ -1,0 +1,121 @@
+"""The onnxruntime-genai plugin's own tests pass (on the tiny model converted by ONNX Runtime
+GenAI's builder in the converters' environment), it is written against public names only, and it
+is found through a real entry point, beside the built-ins, without any change to unillm."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from unillm.testing import convert_tiny, tiny_model
+
+from ._plugin_util import ROOT, clean_env, fake_install, run
+
+PLUGIN = ROOT / "plugins" / "unillm-onnxruntime-genai"
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("onnxruntime_genai") is None, reason="needs onnxruntime-genai"
+)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, converter_python: str) -> dict[str, str]:
+    return {**clean_env(tmp_path_factory.mktemp("unillm-cache")), "UNILLM_CONVERTER_PYTHON": converter_python}
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(env: dict[str, str], converter_python: str) -> Path:
+    # built and converted into the subprocesses' cache, so the plugin's own tests find both there
+    tiny = tiny_model("small", cache_dir=env["UNILLM_CACHE"])
+    return convert_tiny(tiny, "onnxruntime-genai", python=converter_python)
+
+
+def test_the_plugin_imports_nothing_private() -> None:
+    imported: list[str] = []
+    for path in PLUGIN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.append(node.module)
+    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    assert {"unillm", "unillm.backend", "unillm.testing"} <= set(ours)
+    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
+    assert private == [], f"the plugin imports private modules: {private}"
+
+
+def test_onnxruntime_genai_plugin_tests_pass(env: dict[str, str], onnx_dir: Path) -> None:
+    plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
+    out = run(
+        ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
+        plugin_env,
+        timeout=400,
+    )
+    passed = int(re.findall(r"(\d+) passed", out)[-1])
+    skipped = re.findall(r"(\d+) skipped", out)
+    # 38 with llama-cpp-python here (the parity tests compare with it); 35 without
+    assert passed >= 35, out
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert passed >= 38 and not skipped, out
+    assert not re.search(r"\d+ (failed|error)", out), out
+
+
+APP = """
+import sys, unillm
+from unillm._plugins import default_registry
+for name, info in unillm.backends().items():
+    print(f"backend {name} from {info.source}")
+print("failures", default_registry().failures)
+with unillm.auto_engine(sys.argv[1]) as e:
+    out = e.generate("The quick brown fox", temperature=0.0, max_tokens=5)
+    print("picked", e.name, "by", e.selection.chosen_by, out.usage.completion_tokens, out.finish_reason)
+"""
+
+
+def test_it_is_found_through_its_entry_point_and_unillm_backend_picks_it(
+    env: dict[str, str], onnx_dir: Path, tmp_path: Path
+) -> None:
+    # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
+    fake_install(tmp_path, "unillm-onnxruntime-genai", "onnxruntime-genai", "unillm_onnxruntime_genai")
+    plugin_env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)]),
+        "UNILLM_BACKEND": "onnxruntime-genai",  # the application's code is the same for every engine
+    }
+    out = run(["-c", APP, str(onnx_dir)], plugin_env)
+    assert "backend onnxruntime-genai from onnxruntime-genai" in out
+    assert "backend llama.cpp from builtin" in out  # the plugin sits beside the built-ins
+    assert "failures []" in out
+    assert "picked onnxruntime-genai by environment 5 length" in out
+
+
+AUTO = """
+import sys, unillm
+try:
+    e = unillm.auto_engine(sys.argv[1])
+except unillm.ModelFormatError as exc:
+    print("refused", exc)
+else:
+    with e:
+        out = e.generate("The quick brown fox", temperature=0.0, max_tokens=5)
+        print("picked", e.name, "by", e.selection.chosen_by, out.usage.completion_tokens, out.finish_reason)
+"""
+
+
+def test_auto_engine_picks_it_for_a_genai_model_directory(
+    env: dict[str, str], onnx_dir: Path, tmp_path: Path
+) -> None:
+    fake_install(tmp_path, "unillm-onnxruntime-genai", "onnxruntime-genai", "unillm_onnxruntime_genai")
+    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    out = run(["-c", AUTO, str(onnx_dir)], plugin_env)
+    if "refused" in out:
+        # The gap (plugins/unillm-onnxruntime-genai/README.md): unillm's inspector reads only GGUF
+        # and HF directories and refuses the directory before any backend is asked; no hook lets
+        # a plugin name a format. Until one does, UNILLM_BACKEND or backend= selects it.
+        assert "is a directory without config.json" in out, out
+        pytest.xfail("unillm's inspector refuses a directory without config.json before asking plugins")
+    assert "picked onnxruntime-genai by auto 5 length" in out, out
