@@ -49,7 +49,7 @@ def test_openvino_genai_plugin_tests_pass(env: dict[str, str]) -> None:
         timeout=400,
     )
     passed = int(re.findall(r"(\d+) passed", out)[-1])
-    assert passed >= 34, out
+    assert passed >= 51, out  # 17 of them the conformance kit's
     assert not re.search(r"\d+ (failed|error|skipped)", out), out
 
 
