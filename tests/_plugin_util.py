@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ROOT", "clean_env", "fake_install", "run"]
+__all__ = ["ROOT", "clean_env", "fake_install", "pip_install", "run"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +40,14 @@ def fake_install(where: Path, dist: str, entry: str, module: str) -> Path:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text(f"[unillm]\n{entry} = {module}\n")
     return info
+
+
+def pip_install(plugin: Path, where: Path) -> Path:
+    """``pip install`` the plugin's directory into ``where`` (its code and real ``.dist-info``, no
+    dependencies, no network: the build backend comes from this environment); ``where`` then goes
+    on PYTHONPATH."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    cmd += ["--no-index", "--target", str(where), str(plugin)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"pip install {plugin} failed:\n{proc.stderr[-3000:]}"
+    return where

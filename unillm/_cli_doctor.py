@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import platform
 import sys
+from typing import TYPE_CHECKING
 
 from unillm._cli_common import JsonOpt, _asdict, _console, _dump, _esc
+
+if TYPE_CHECKING:
+    from unillm._plugins import Registry
 
 __all__ = ["backends_cmd", "doctor"]
 
@@ -42,7 +46,7 @@ def backends_cmd(as_json: JsonOpt = False) -> None:
 
 
 def doctor(as_json: JsonOpt = False) -> None:
-    """Check this machine: Python, hardware, installed engines, plugin failures.
+    """Check this machine: Python, hardware, installed engines, plugins and their failures.
 
     The --json output is also a hardware profile: `unillm select MODEL --hardware FILE` judges
     the machine it describes, its installed backends included.
@@ -59,6 +63,7 @@ def doctor(as_json: JsonOpt = False) -> None:
                 "python": platform.python_version(),
                 "hardware": hw,
                 "backends": {n: i.availability() for n, i in reg.backends().items()},
+                "plugins": reg.plugins(),
                 "plugin_failures": reg.failures,
             }
         )
@@ -69,3 +74,25 @@ def doctor(as_json: JsonOpt = False) -> None:
     for line in hw.summary_lines():
         console.print(_esc(line), highlight=False)
     backends_cmd(as_json=False)
+    _plugins_table(reg)
+
+
+def _plugins_table(reg: Registry) -> None:
+    """The installed plugins: distribution and version, what each reaches, and what failed."""
+    from rich.table import Table
+
+    plugins = reg.plugins()
+    console = _console()
+    if not plugins:
+        console.print("plugins  none installed (see docs/plugins.md)")
+        return
+    table = Table("plugin", "distribution", "version", "reaches", "status")
+    for p in plugins:
+        reaches = ", ".join(p.backends) or "-"
+        if p.guide_entries:
+            reaches += f" (+{p.guide_entries} guide entries)"
+        status = "[green]ok[/]" if not p.failures else f"[red]failed:[/] {_esc('; '.join(p.failures))}"
+        table.add_row(
+            _esc(p.name), _esc(p.distribution or "?"), _esc(p.version or "?"), _esc(reaches), status
+        )
+    console.print(table)

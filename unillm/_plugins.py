@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from unillm._engine import Engine
     from unillm._types import Availability
 
-__all__ = ["BackendInfo", "PluginFailure", "Registry", "backends", "default_registry", "normalize_name"]
+__all__ = [
+    "BackendInfo",
+    "PluginFailure",
+    "PluginInfo",
+    "Registry",
+    "backends",
+    "default_registry",
+    "normalize_name",
+]
 
 ENTRY_POINT_GROUP = "unillm"
 BUILTIN = "builtin"
@@ -57,6 +65,20 @@ class PluginFailure:
     reason: str
 
 
+@dataclass(frozen=True)
+class PluginInfo:
+    """An installed plugin: its entry point, the distribution that installed it, what it reaches
+    (the backends it registered, the guide entries it added) and, if it failed, why."""
+
+    name: str
+    value: str  # the module the entry point names
+    distribution: str | None
+    version: str | None
+    backends: tuple[str, ...]
+    guide_entries: int
+    failures: tuple[str, ...]
+
+
 class Registry:
     """The backends known to one plugin manager. Tests make their own; apps use the default."""
 
@@ -68,6 +90,8 @@ class Registry:
         self._guide: list[GuideEntry] = []
         self._collected: set[str] = set()
         self._guided: set[str] = set()
+        self._entry_points: dict[str, tuple[str, str | None, str | None]] = {}
+        self._guide_counts: dict[str, int] = {}
         if builtins:
             import unillm.engines as builtin_backends
 
@@ -84,6 +108,9 @@ class Registry:
             if (ep.name, ep.value) in seen:
                 continue
             seen.add((ep.name, ep.value))
+            dist = getattr(ep, "dist", None)
+            meta = (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+            self._entry_points[ep.name] = (ep.value, *meta)
             try:
                 plugin = ep.load()
                 self.pm.register(plugin, name=ep.name)
@@ -124,6 +151,7 @@ class Registry:
                 self._fail(impl.plugin_name, f"unillm_guide_entries raised {exc!r}")
                 continue  # all of a failing plugin's entries or none
             self._guide.extend(added)
+            self._guide_counts[impl.plugin_name] = len(added)
 
     def _add_entry(self, into: list[GuideEntry], entry: Any, *, source: str) -> None:
         if isinstance(entry, GuideEntry) and isinstance(entry.engine, str) and entry.engine:
@@ -162,6 +190,23 @@ class Registry:
     def guide(self) -> tuple[GuideEntry, ...]:
         """The decision guide: the built-in table, then the plugins' entries, in order."""
         return (*GUIDE, *self._guide)
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every plugin found through the entry-point group, loaded or failed, in discovery order."""
+        out = []
+        for name, (value, dist, version) in self._entry_points.items():
+            out.append(
+                PluginInfo(
+                    name,
+                    value,
+                    dist,
+                    version,
+                    tuple(i.name for i in self._backends.values() if i.source == name),
+                    self._guide_counts.get(name, 0),
+                    tuple(f.reason for f in self.failures if f.plugin == name),
+                )
+            )
+        return out
 
     def names(self) -> list[str]:
         return [info.name for info in self._backends.values()]
