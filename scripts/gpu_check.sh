@@ -77,3 +77,26 @@ start=$(date +%s)
 echo "gpu_check: exllamav2 import (extension build) took $(( $(date +%s) - start )) s"
 
 "$VPY" scripts/gpu_check_exllamav2.py "$WORK/tiny-fp16" --context 512 2>&1 | tee "$OUT_DIR/gpu_check.txt"
+
+# ---- ExLlamaV3 (plugins/unillm-exllamav3) ----
+# Runs when the wheel directory holds an exllamav3 wheel. Carry, beside the ones above (same pip
+# download line; exllamav3's own requirements that the image lacks):
+#
+#       exllamav3==1.4.1 marisa-trie pyyaml llguidance flash-linear-attention fla-core
+#
+# exllamav3 compiles its CUDA extension at first import (nvcc and ninja, minutes), like exllamav2.
+# scripts/gpu_check_exllamav3.py converts the tiny model to EXL3 with exllamav3's own converter
+# (there is no network for prequantized weights), then checks the plugin against exllamav3 called
+# directly: the Job's max_new_tokens count, greedy parity, streaming, overhead ratio, 8 concurrent
+# requests batched, cancel on close, kv_stats, prefix reuse. Its table goes to
+# $OUT/gpu_check_exllamav3.txt.
+if ls "$WHEELS"/exllamav3-*.whl >/dev/null 2>&1; then
+    start=$(date +%s)
+    "$VPY" -c "import exllamav3; print('exllamav3', exllamav3.__version__, 'imported')"
+    echo "gpu_check: exllamav3 import (extension build) took $(( $(date +%s) - start )) s"
+    PYTHONPATH="$PWD/plugins/unillm-exllamav3:$PYTHONPATH" \
+        "$VPY" scripts/gpu_check_exllamav3.py "$WORK/tiny-fp16" --work "$WORK/exllamav3" --context 512 \
+        2>&1 | tee "$OUT_DIR/gpu_check_exllamav3.txt"
+else
+    echo "gpu_check: no exllamav3 wheel in $WHEELS: the ExLlamaV3 plugin's check is skipped"
+fi

@@ -136,3 +136,21 @@ def test_auto_engine_loads_it_for_exl3_on_a_faked_nvidia_machine(
     assert "picked exllamav3 unillm_exllamav3.engine" in out, out
     assert "text ''" not in out
     assert "EXL3 is ExLlamaV3's format" in out, out
+
+
+def test_the_gpu_check_script_passes_against_the_fake(
+    env: dict[str, str], tiny: TinyModel, tmp_path: Path
+) -> None:
+    # scripts/gpu_check_exllamav3.py, which scripts/gpu_check.sh runs on a GPU, here against the
+    # fake (its converter included), with steps that take time so that requests meet in batches
+    plugin_env = {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(FAKE)]),
+        "UNILLM_EXLLAMAV3_ASSUME_GPU": "1",
+        "FAKE_EXLLAMAV3_STEP_SECONDS": "0.002",
+    }
+    script = str(ROOT / "scripts" / "gpu_check_exllamav3.py")
+    out = run([script, str(tiny.hf_dir), "--work", str(tmp_path)], plugin_env, timeout=200)
+    assert "all checks passed" in out, out
+    assert "EXL3 4.0 bpw, converted here" in out and "3/3 prompts" in out, out
+    assert "streams {1: 1, 2: 1, 8: 7}" in out, out  # the fake counts as exllamav3 1.4.1's Job does
