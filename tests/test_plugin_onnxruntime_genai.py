@@ -8,6 +8,7 @@ import ast
 import importlib.metadata
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,4 +119,18 @@ def test_auto_engine_picks_it_for_a_genai_model_directory(
         # a plugin name a format. Until one does, UNILLM_BACKEND or backend= selects it.
         assert "is a directory without config.json" in out, out
         pytest.xfail("unillm's inspector refuses a directory without config.json before asking plugins")
+    assert "picked onnxruntime-genai by auto 5 length" in out, out
+
+
+def test_auto_engine_picks_it_where_the_directory_also_holds_config_json(
+    env: dict[str, str], onnx_dir: Path, tmp_path: Path
+) -> None:
+    # Hugging Face's ONNX repos ship the HF config.json beside genai_config.json: unillm reads the
+    # directory as HF weights (none there), and the plugin's suitability outranks the HF engines
+    model = tmp_path / "model"
+    shutil.copytree(onnx_dir, model)
+    shutil.copy(tiny_model("small", cache_dir=env["UNILLM_CACHE"]).hf_dir / "config.json", model)
+    fake_install(tmp_path, "unillm-onnxruntime-genai", "onnxruntime-genai", "unillm_onnxruntime_genai")
+    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    out = run(["-c", AUTO, str(model)], plugin_env)
     assert "picked onnxruntime-genai by auto 5 length" in out, out

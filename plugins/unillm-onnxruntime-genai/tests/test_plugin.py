@@ -55,7 +55,9 @@ def test_suitability_reads_genai_model_directories_and_declines_the_rest(
     onnx_dir: Path, tiny: TinyModel
 ) -> None:
     ours = OnnxGenAIEngine.suitability(None, _Model(str(onnx_dir), "unknown"), None)
-    assert ours.score == 1.0 and not ours.blockers and "genai_config.json" in ours.reasons[0]
+    assert ours.score == 3.5 and not ours.blockers and "genai_config.json" in ours.reasons[0]
+    named = OnnxGenAIEngine.suitability(None, _Model(str(onnx_dir), "onnx-genai"), None)
+    assert named.score == 1.5  # where unillm names the format, the guide's entries give the bonus
     for path, fmt in [(tiny.gguf_path, "gguf"), (tiny.hf_dir, "safetensors")]:
         no = OnnxGenAIEngine.suitability(None, _Model(str(path), fmt), None)
         assert (

@@ -113,7 +113,17 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
         # directory's genai_config.json is what says it is one
         path, fmt = getattr(model, "path", None), getattr(model, "format", None)
         if fmt == FORMAT or (path is not None and (Path(str(path)) / GENAI_CONFIG).is_file()):
-            return Suitability(1.0, reasons=(f"reads ONNX Runtime GenAI model directories ({GENAI_CONFIG})",))
+            reasons = [f"reads ONNX Runtime GenAI model directories ({GENAI_CONFIG})"]
+            # above the 1.0 a built-in scores for a format it reads, as the hook's docs say to outrank
+            score = 1.5
+            if fmt != FORMAT:
+                # a directory that also holds config.json (Hugging Face's ONNX repos do) is
+                # "safetensors" to unillm: the guide's entries for this format cannot apply while
+                # those for HF weights do (up to +2.0 to engines that find no weights here), so
+                # this stands in for the rank-0 bonus
+                score += 2.0
+                reasons.append("a genai_config.json directory is read by ONNX Runtime GenAI only")
+            return Suitability(score, tuple(reasons))
         return Suitability(
             0.0,
             blockers=(
