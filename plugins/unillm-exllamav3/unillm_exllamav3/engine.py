@@ -433,7 +433,10 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             raise err from exc
 
     def _finish(self, r: dict[str, Any], req: Request, prompt_tokens: int) -> None:
-        req.finish_reason = "length" if r.get("eos_reason") == "max_new_tokens" else "stop"
+        reason = r.get("eos_reason")
+        req.finish_reason = "length" if reason == "max_new_tokens" else "stop"
+        if reason == "stop_string":  # exllamav3 matched it (and never streamed it): say which
+            req.stop_sequence = r.get("eos_triggering_string")
         req.prompt_tokens = int(r.get("prompt_tokens", prompt_tokens))
         cached = r.get("cached_tokens")
         req.cached_tokens = int(cached) if cached is not None else None
