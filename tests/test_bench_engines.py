@@ -189,3 +189,27 @@ def test_http_run_against_llama_cpp_server(tiny: Any) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait(15)
+
+
+@needs_llama_cpp
+def test_without_backends_the_selector_chooses(tiny: Any, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    args = ["bench", str(tiny.gguf_path), "--requests", "2", "--input-len", "8", "--output-len", "3"]
+    res = CliRunner().invoke(app, [*args, "--warmup", "0", "--no-plots", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    [written] = tmp_path.glob("bench-*-llama.cpp-*.json")
+    assert read_result(written)["levels"][0]["summary"]["completed"] == 2
+
+
+def test_the_cli_wants_a_model_or_a_url() -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    res = CliRunner().invoke(app, ["bench"])
+    assert res.exit_code == 2 and "give a MODEL" in res.output
+    bad = CliRunner().invoke(app, ["bench", "x.gguf", "--concurrency", "1,two"])
+    assert bad.exit_code == 2 and "--concurrency" in bad.output

@@ -174,15 +174,14 @@ def run_cmd(
                 ]  # fmt: skip
             else:
                 assert model is not None
-                names = [b.strip() for b in (backends or "").split(",") if b.strip()]
-                if not names:
-                    from unillm._auto import auto_engine
-
-                    probe = auto_engine(model, context_length=context)
-                    names = [probe.name]
-                    probe.close()
+                names: list[str | None] = [b.strip() for b in (backends or "").split(",") if b.strip()]
                 results = bench_backends(
-                    model, names, wl, context_length=context, price_per_hour=price_per_hour, progress=update
+                    model,
+                    names or [None],
+                    wl,
+                    context_length=context,
+                    price_per_hour=price_per_hour,
+                    progress=update,
                 )
         finally:
             if bar is not None:

@@ -125,7 +125,7 @@ def model_path_for(model: str | Path, backend: str) -> Path:
 
 def bench_backends(
     model: str | Path,
-    backends: Sequence[str],
+    backends: Sequence[str | None],
     workload: Workload | dict[str, Any] | str | Path,
     *,
     context_length: int | None = None,
@@ -134,15 +134,18 @@ def bench_backends(
     progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """The same workload on each of ``backends``, one after another, each loading ``model`` in its
-    own format (``model_path_for``) and closed before the next loads; a result per backend."""
+    own format (``model_path_for``) and closed before the next loads; a result per backend. A
+    backend of None is the one ``auto_engine`` selects."""
     from unillm._auto import auto_engine
 
     wl = load_workload(workload)
     name = model_name or _name(Path(model))
     out = []
     for backend in backends:
-        path = model_path_for(model, backend)
+        path = model_path_for(model, backend) if backend is not None else Path(model)
         engine = auto_engine(path, backend=backend, context_length=context_length)
+        if backend is None:
+            path = model_path_for(model, engine.name)
         try:
             out.append(
                 bench_engine(
