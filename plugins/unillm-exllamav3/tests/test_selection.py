@@ -155,3 +155,19 @@ def test_probe_build_reports_the_install_without_importing_it(monkeypatch: pytes
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "fake_exllamav3" not in p])
     monkeypatch.delitem(sys.modules, "exllamav3", raising=False)
     assert ExLlamaV3Engine.probe_build(FOUR_4090, []) is None
+
+
+def test_the_readme_options_table_matches_the_model() -> None:
+    import re
+
+    text = (PACKAGE.parent / "README.md").read_text(encoding="utf-8").split("\n## Options\n", 1)[1]
+    rows = [
+        [c.strip() for c in line.strip().split("|")[1:-1]]
+        for line in text.splitlines()
+        if line.startswith("| `")
+    ]
+    fields = ExLlamaV3Engine.Options.model_fields
+    assert [row[0].strip("`") for row in rows] == list(fields)  # same names, same order
+    for name, default, _ in rows:
+        assert ast.literal_eval(default.strip("`")) == fields[name.strip("`")].default, name
+        assert re.fullmatch(r"`[^`]+`", name)
