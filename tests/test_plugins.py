@@ -172,3 +172,69 @@ def test_backends_report_availability() -> None:
     assert avail.available == (info.cls.available().available)
     if not avail.available:
         assert avail.install_hint and "pip install" in avail.install_hint
+
+
+# ---- a plugin's own model format (unillm_inspect_model) ----
+
+
+class Toy(MockEngine):
+    name = "toy"
+    formats = frozenset({"toy-dir"})
+
+    def __init__(self, config: object = None, **kw: object) -> None:
+        super().__init__(lambda p, s: "toy answer", config, **kw)  # type: ignore[arg-type]
+
+
+class _ToyFormat:
+    """Recognizes a directory holding toy.json, which unillm's own inspection cannot read."""
+
+    @hookimpl
+    def unillm_register_backends(self, register: object) -> None:
+        register(Toy)  # type: ignore[operator]
+
+    @hookimpl
+    def unillm_inspect_model(self, path: str) -> unillm.ModelInfo | None:
+        toy = Path(path) / "toy.json"
+        if not toy.is_file():
+            return None
+        return unillm.ModelInfo(path, "toy-dir", architecture="toy", context_length=256)
+
+
+class _Raises:
+    @hookimpl
+    def unillm_inspect_model(self, path: str) -> None:
+        raise RuntimeError("the plugin's parser broke")
+
+
+class _Junk:
+    @hookimpl
+    def unillm_inspect_model(self, path: str) -> object:
+        return {"format": "toy-dir"}
+
+
+def test_a_plugin_format_is_inspected_and_selected_by_the_plugin(tmp_path: Path) -> None:
+    (tmp_path / "toy.json").write_text("{}")
+    reg = Registry(entry_points=False)
+    with pytest.raises(unillm.ModelFormatError):  # unillm alone cannot read it
+        reg.inspect_model(tmp_path)
+    reg.register_plugin(_ToyFormat(), name="toy-plugin")
+    info = reg.inspect_model(tmp_path)
+    assert (info.format, info.architecture, info.context_length) == ("toy-dir", "toy", 256)
+    with unillm.auto_engine(str(tmp_path), registry=reg) as engine:
+        assert engine.name == "toy"
+        assert (engine.selection.backend, engine.selection.format) == ("toy", "toy-dir")
+        assert engine.generate("hi", max_tokens=4).text == "toy answer"
+
+
+def test_a_broken_inspect_hook_is_a_failure_and_the_builtin_inspection_goes_on(
+    tmp_path: Path, tiny_gguf: Path
+) -> None:
+    reg = Registry(entry_points=False)
+    with pytest.warns(unillm.UnillmWarning):
+        reg.register_plugin(_Raises(), name="raises")
+        reg.register_plugin(_Junk(), name="junk")
+        info = reg.inspect_model(tiny_gguf)
+    assert info.format == "gguf"  # the built-in inspection answered
+    reasons = {f.plugin: f.reason for f in reg.failures}
+    assert "the plugin's parser broke" in reasons["raises"]
+    assert "not a ModelInfo" in reasons["junk"]

@@ -26,7 +26,7 @@ from unillm._errors import (
     warn,
 )
 from unillm._facts import Facts, machine
-from unillm._inspect import ModelInfo, inspect_model
+from unillm._inspect import ModelInfo
 from unillm._model_path import model_formats
 from unillm._plan import Plan, Workload, plan
 from unillm._plugins import Registry, default_registry
@@ -102,7 +102,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         # A forced backend may read what unillm cannot inspect (a plugin's own format, a model
         # name on a server): the backend itself reports a missing or unreadable model.
         try:
-            model: Any = inspect_model(cfg.model)
+            model: Any = registry.inspect_model(cfg.model)
         except (ModelFormatError, ModelNotFound):
             model = _ModelRef(cfg.model, "unknown")
         workload = _workload(cfg, model)
@@ -131,7 +131,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         # One selection per format the model is held in (a directory may hold an HF directory and
         # a GGUF of the same weights): each backend is ranked on the format it reads.
         per_format = []
-        for info in _inspect_all(cfg.model):
+        for info in _inspect_all(cfg.model, registry):
             wl = _workload(cfg, info)
             pl = _plan(info, hardware, wl)
             sel = select(hardware, info, wl, backends, available=available, plan=pl, guide_entries=guide)
@@ -250,15 +250,16 @@ def _apply(cls: type[Engine[Any]], cfg: EngineConfig, step: Fallback) -> EngineC
     return cfg.model_copy(update=update)
 
 
-def _inspect_all(path: str) -> list[ModelInfo]:
-    """The model's inspection, once per format it is held in side by side (usually one)."""
+def _inspect_all(path: str, registry: Registry) -> list[ModelInfo]:
+    """The model's inspection, once per format it is held in side by side (usually one); a
+    plugin's inspection (``unillm_inspect_model``) comes first."""
     formats = model_formats(path)
     if len(formats) < 2:
-        return [inspect_model(path)]
+        return [registry.inspect_model(path)]
     infos, first_error = [], None
     for p in formats.values():
         try:
-            infos.append(inspect_model(p))
+            infos.append(registry.inspect_model(p))
         except (ModelFormatError, ModelNotFound) as exc:
             first_error = first_error or exc
     if not infos:

@@ -96,10 +96,10 @@ def inspect_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Read a model's format, quantization, size and shape from its headers (never its weights)."""
-    from unillm._inspect import inspect_model
+    from unillm._plugins import default_registry
 
     with _reported():
-        info = inspect_model(model)
+        info = default_registry().inspect_model(model)  # a plugin's format included
     if as_json:
         _dump(info)
         return
@@ -129,12 +129,12 @@ def plan_cmd(
 
     Exit status: 0 when it fits, 1 when it does not, 2 on bad input.
     """
-    from unillm._inspect import inspect_model
     from unillm._plan import plan
+    from unillm._plugins import default_registry
 
     wl = _workload(context, concurrency, goal)
     with _reported():
-        result = plan(inspect_model(model), _hardware(hardware), wl)
+        result = plan(default_registry().inspect_model(model), _hardware(hardware), wl)
     if as_json:
         _dump(result)
     else:
@@ -177,12 +177,11 @@ def select_cmd(
     lists as installed, or every registered backend for a hand-written profile, as
     `unillm.select()` does; without it, this machine and the backends installed here.
     """
-    from unillm._inspect import inspect_model
     from unillm._plugins import default_registry
 
     wl = _workload(context, concurrency, goal)
     with _reported():
-        info = inspect_model(model)
+        info = default_registry().inspect_model(model)
         hw = _hardware(hardware)
         if hardware is not None:
             available = _profile_availability(hardware, default_registry().backends())

@@ -96,12 +96,11 @@ def _loading(cfg: EngineConfig) -> Iterator[None]:
 def _likely_backend(cfg: EngineConfig) -> str:
     """The backend auto_engine will try first, found the way it finds it (headers only)."""
     from unillm._auto import _machine, _workload
-    from unillm._inspect import inspect_model
     from unillm._plugins import default_registry
 
     try:
         available = {n: b.availability() for n, b in default_registry().backends().items()}
-        info = inspect_model(cfg.model)
+        info = default_registry().inspect_model(cfg.model)
         chosen = _select(info, _machine(), _workload(cfg, info), available).backend
     except Exception:  # only a label: the load reports the real problem
         chosen = ""

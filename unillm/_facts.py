@@ -59,10 +59,10 @@ class Facts:
     @functools.cached_property
     def model(self) -> ModelInfo | None:
         from unillm._errors import UnillmError
-        from unillm._inspect import inspect_model
+        from unillm._plugins import default_registry
 
         try:
-            return inspect_model(self.path)
+            return default_registry().inspect_model(self.path)  # a plugin's format included
         except UnillmError:
             return None
 

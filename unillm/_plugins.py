@@ -22,7 +22,10 @@ from unillm._guide import GUIDE, GuideEntry
 from unillm._types import normalize_name
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from unillm._engine import Engine
+    from unillm._inspect import ModelInfo
     from unillm._types import Availability
 
 __all__ = [
@@ -190,6 +193,23 @@ class Registry:
     def guide(self) -> tuple[GuideEntry, ...]:
         """The decision guide: the built-in table, then the plugins' entries, in order."""
         return (*GUIDE, *self._guide)
+
+    def inspect_model(self, path: str | Path) -> ModelInfo:
+        """``path`` inspected: by the first plugin that recognizes it (``unillm_inspect_model``),
+        else by unillm's own inspection (``unillm.inspect_model``, and what it raises)."""
+        from unillm._inspect import ModelInfo, inspect_model
+
+        for impl in self.pm.hook.unillm_inspect_model.get_hookimpls():  # registration order
+            try:
+                info = impl.function(path=str(path))
+            except Exception as exc:
+                self._fail(impl.plugin_name, f"unillm_inspect_model({str(path)!r}) raised {exc!r}")
+                continue
+            if isinstance(info, ModelInfo):
+                return info
+            if info is not None:
+                self._fail(impl.plugin_name, f"unillm_inspect_model returned {info!r}, not a ModelInfo")
+        return inspect_model(path)
 
     def plugins(self) -> list[PluginInfo]:
         """Every plugin found through the entry-point group, loaded or failed, in discovery order."""

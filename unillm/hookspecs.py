@@ -15,7 +15,8 @@ A plugin is a module (or package) exposed through the ``unillm`` entry-point gro
         register(MyEngine)
 
 Hooks take a callback rather than returning values, so one plugin can register any number of
-things and a failure in one plugin never hides another's. A plugin that fails to import or raises
+things and a failure in one plugin never hides another's; ``unillm_inspect_model``, which answers
+a question about one path, returns its answer. A plugin that fails to import or raises
 inside a hook is reported (a ``UnillmWarning`` and ``unillm doctor``) and skipped.
 
 What a backend knows about itself (its hard rules, its fallback steps on out-of-memory, its install
@@ -33,6 +34,7 @@ import pluggy
 if TYPE_CHECKING:
     from unillm._engine import Engine
     from unillm._guide import GuideEntry
+    from unillm._inspect import ModelInfo
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -68,4 +70,23 @@ def unillm_guide_entries(add: Callable[[GuideEntry], None]) -> None:
     (built-ins). So to outrank a built-in's rank-0 case, add a rank-0 entry for it and return a
     suitability score above the built-in's (1.0). Something that is not a ``GuideEntry`` is
     refused with a warning. Since 0.2.
+    """
+
+
+@hookspec
+def unillm_inspect_model(path: str) -> ModelInfo | None:
+    """Recognize a model format of the plugin's own (an ONNX Runtime GenAI directory, an OpenVINO
+    IR directory, ...), which unillm's built-in inspection does not read or reads as something else.
+
+    :param path: the model path as the user gave it (a file or a directory; may not exist).
+    :returns: a ``unillm.ModelInfo`` whose ``format`` is one of the plugin's backend's
+        ``formats`` (so the selector knows who reads it), with what the plugin's files say
+        (architecture, parameters, context length, ...; None where they do not say); or None for
+        a path that is not the plugin's, which then goes to the next plugin and finally to the
+        built-in inspection.
+
+    Asked before the built-in inspection, in plugin registration order; the first answer wins.
+    Read headers and small config files only: it runs on every ``auto_engine`` and ``unillm
+    select``. An exception is reported as the plugin's failure and the path goes on to the next.
+    Since 0.3.
     """

@@ -224,7 +224,7 @@ def _gib(n: int) -> str:
 
 
 #: The top-level keys of ``unillm doctor --json``; ``load_hardware`` reads its ``hardware``.
-_DOCTOR_KEYS = frozenset({"python", "hardware", "backends", "plugin_failures"})
+_DOCTOR_KEYS = frozenset({"python", "hardware", "backends", "plugins", "plugin_failures"})
 
 
 def load_hardware(path: str | Path) -> Hardware:

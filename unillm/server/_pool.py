@@ -253,11 +253,11 @@ def _fits_now(spec: ModelSpec) -> bool:
     """Whether the memory plan says ``spec``'s model fits in what this machine has free now.
     A model unillm cannot size counts as fitting: the load itself then decides."""
     from unillm._hardware import detect_hardware
-    from unillm._inspect import inspect_model
     from unillm._plan import Workload, plan
+    from unillm._plugins import default_registry
 
     try:
-        info = inspect_model(spec.engine.model)
+        info = default_registry().inspect_model(spec.engine.model)
         workload = Workload(
             context_length=spec.engine.context_length or min(info.context_length or 4096, 4096)
         )

@@ -33,7 +33,9 @@ CONVERTER_VERSION = 1
 def convert_tiny(model: TinyModel, kind: Kind, *, python: str | None = None, timeout: float = 600) -> Path:
     """The directory of ``model`` converted to ``kind``, converting it on first use."""
     interpreter = python or os.environ.get("UNILLM_CONVERTER_PYTHON") or sys.executable
-    key = json.dumps({"kind": kind, "weights": file_digest(model.hf_dir / "model.safetensors"), "v": CONVERTER_VERSION})
+    key = json.dumps(
+        {"kind": kind, "weights": file_digest(model.hf_dir / "model.safetensors"), "v": CONVERTER_VERSION}
+    )
     out = model.root / f"converted-{kind}"
     stamp = out / ".unillm-converted.json"
     if stamp.is_file() and stamp.read_text() == key:
