@@ -23,8 +23,12 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory, converter_python: str) -> dict[str, str]:
-    # one cache for the module: the tiny model's IR export (~18 s) is made once and shared
-    return {**clean_env(tmp_path_factory.mktemp("unillm-cache")), "UNILLM_CONVERTER_PYTHON": converter_python}
+    clean = clean_env(tmp_path_factory.mktemp("unillm-cache"))
+    # The tiny model and its IR export (~18 s of the converter, more on a busy machine) are kept
+    # inside the converters' environment, rebuilt with it: the export is keyed by the weights'
+    # digest and the converter's version, so a later run reuses it only when nothing changed.
+    cache = Path(converter_python).resolve().parents[1] / "unillm-cache"
+    return {**clean, "UNILLM_CACHE": str(cache), "UNILLM_CONVERTER_PYTHON": converter_python}
 
 
 def test_the_plugin_imports_nothing_private() -> None:
