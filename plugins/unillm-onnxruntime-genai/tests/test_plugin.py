@@ -24,7 +24,24 @@ def test_the_hooks_register_the_engine_and_its_guide_entries() -> None:
     pm.hook.unillm_guide_entries(add=entries.append)
     assert classes == [OnnxGenAIEngine]
     assert {e.engine for e in entries} == {"onnxruntime-genai"}
-    assert any(e.machines and "cpu" in e.machines and e.workload == "local" for e in entries)
+    assert all(e.formats == {"onnx-genai"} and e.rank == 0 for e in entries)
+    assert any(e.machines == {"cpu"} and "app deployment" in e.reason for e in entries)
+    assert any(e.machines is None and "DirectML" in e.reason for e in entries)
+
+
+def test_its_inspection_names_genai_directories_only(onnx_dir: Path, tiny: TinyModel, tmp_path: Path) -> None:
+    info = unillm_onnxruntime_genai.unillm_inspect_model(str(onnx_dir))
+    assert isinstance(info, unillm.ModelInfo) and info.format == "onnx-genai"
+    assert (info.architecture, info.layers, info.kv_heads, info.head_dim) == ("llama", 2, 1, 64)
+    assert (info.context_length, info.vocab_size, info.hidden_size, info.heads) == (4096, 512, 128, 2)
+    size = (onnx_dir / "model.onnx").stat().st_size + (onnx_dir / "model.onnx.data").stat().st_size
+    assert info.weights_bytes == size
+    for other in (tiny.hf_dir, tiny.gguf_path, tiny.root, tmp_path / "nowhere"):
+        assert unillm_onnxruntime_genai.unillm_inspect_model(str(other)) is None
+    (tmp_path / "genai_config.json").write_text("[1, 2")  # still its format: load says what is wrong
+    assert unillm_onnxruntime_genai.unillm_inspect_model(str(tmp_path)) == unillm.ModelInfo(
+        str(tmp_path), "onnx-genai"
+    )
 
 
 def test_importing_the_plugin_imports_no_engine() -> None:

@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unillm import ModelFormatError, ModelNotFound
+from unillm import ModelFormatError, ModelInfo, ModelNotFound
+from unillm_onnxruntime_genai import FORMAT
 
-__all__ = ["GENAI_CONFIG", "ModelDir", "byte_level_table", "model_dir"]
+__all__ = ["FORMAT", "GENAI_CONFIG", "ModelDir", "byte_level_table", "inspect", "is_genai_dir", "model_dir"]
 
 GENAI_CONFIG = "genai_config.json"
 _MAX_JSON = 64 << 20  # a tokenizer.json of a 250k vocabulary is ~20 MB
@@ -36,6 +37,42 @@ def model_dir(path: str) -> Path:
         hint += ", or load the GGUF with llama.cpp"
     raise ModelFormatError(
         f"{str(path)!r} is not an ONNX Runtime GenAI model directory ({GENAI_CONFIG}): it is {what}{hint}"
+    )
+
+
+def is_genai_dir(path: str | Path) -> bool:
+    try:
+        return (Path(path).expanduser() / GENAI_CONFIG).is_file()
+    except OSError:
+        return False
+
+
+def inspect(path: str | Path) -> ModelInfo | None:
+    """``path`` as a ``ModelInfo`` of format ``onnx-genai`` when it is a genai directory, else
+    None. Reads genai_config.json and the files' sizes only; a config it cannot read still names
+    the format, so that loading it says what is wrong."""
+    if not is_genai_dir(path):
+        return None
+    root = Path(path).expanduser()
+    try:
+        info = ModelDir(root)
+    except ModelFormatError:
+        return ModelInfo(str(path), FORMAT)
+    graphs = [f for f in sorted(root.iterdir())[:10_000] if f.name.endswith((".onnx", ".onnx.data"))]
+    weights = sum(f.stat().st_size for f in graphs if f.is_file())
+    return ModelInfo(
+        str(path),
+        FORMAT,
+        architecture=info.type,
+        weights_bytes=weights or None,
+        layers=info.layers,
+        hidden_size=info.hidden_size,
+        heads=info.heads,
+        kv_heads=info.kv_heads,
+        head_dim=info.head_size,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        files=tuple(str(f) for f in graphs),
     )
 
 
@@ -72,6 +109,8 @@ class ModelDir:
         self.layers = _int(decoder.get("num_hidden_layers"))
         self.kv_heads = _int(decoder.get("num_key_value_heads"))
         self.head_size = _int(decoder.get("head_size"))
+        self.hidden_size = _int(decoder.get("hidden_size"))
+        self.heads = _int(decoder.get("num_attention_heads"))
         eos = model.get("eos_token_id")
         ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)

@@ -37,8 +37,15 @@ from unillm.backend import (
     installed,
     kv_bytes_per_token,
 )
-from unillm_onnxruntime_genai import FORMAT, NAME
-from unillm_onnxruntime_genai._files import GENAI_CONFIG, ModelDir, byte_level_table, model_dir
+from unillm_onnxruntime_genai import NAME
+from unillm_onnxruntime_genai._files import (
+    FORMAT,
+    GENAI_CONFIG,
+    ModelDir,
+    byte_level_table,
+    is_genai_dir,
+    model_dir,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -109,18 +116,18 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
 
     @classmethod
     def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
-        # unillm's inspector has no name for this format (it reports "unknown" or fails): the
-        # directory's genai_config.json is what says it is one
+        # the plugin's inspection (unillm_inspect_model) names the format; a unillm without that
+        # hook reports "unknown" or "safetensors" for it: genai_config.json says what it is
         path, fmt = getattr(model, "path", None), getattr(model, "format", None)
-        if fmt == FORMAT or (path is not None and (Path(str(path)) / GENAI_CONFIG).is_file()):
+        if fmt == FORMAT or (path is not None and is_genai_dir(str(path))):
             reasons = [f"reads ONNX Runtime GenAI model directories ({GENAI_CONFIG})"]
             # above the 1.0 a built-in scores for a format it reads, as the hook's docs say to outrank
             score = 1.5
             if fmt != FORMAT:
-                # a directory that also holds config.json (Hugging Face's ONNX repos do) is
-                # "safetensors" to unillm: the guide's entries for this format cannot apply while
-                # those for HF weights do (up to +2.0 to engines that find no weights here), so
-                # this stands in for the rank-0 bonus
+                # not named by the plugin's inspection (a unillm without the hook, where a
+                # directory that also holds config.json is "safetensors"): the guide's entries
+                # for this format cannot apply while those for HF weights do (up to +2.0 to
+                # engines that find no weights here), so this stands in for the rank-0 bonus
                 score += 2.0
                 reasons.append("a genai_config.json directory is read by ONNX Runtime GenAI only")
             return Suitability(score, tuple(reasons))
