@@ -166,7 +166,11 @@ def main() -> int:
         ours = [list(engine.generate(p, greedy).token_ids) for p in PROMPTS]
         theirs = [direct.run(p, N + 1) for p in PROMPTS]  # one more: see max_new_tokens_count
         same = sum(a == b for a, b in zip(ours, theirs, strict=True))
-        return same == len(PROMPTS) and all(ours), f"{same}/{len(PROMPTS)} prompts"
+        lp = engine.generate(PROMPTS[0], greedy, logprobs=1)
+        lp_ok = lp.logprobs is not None and len(lp.logprobs) == len(lp.token_ids) and max(lp.logprobs) <= 1e-3
+        lp_ok = lp_ok and list(lp.token_ids) == ours[0]  # asking for logprobs changes no token
+        detail = f"{same}/{len(PROMPTS)} prompts; logprobs {'ok' if lp_ok else 'WRONG'}"
+        return same == len(PROMPTS) and all(ours) and lp_ok, detail
 
     def streaming() -> tuple[bool, str]:
         chunks = list(engine.stream(PROMPTS[0], greedy))

@@ -23,7 +23,6 @@ from unillm import (
     ModelNotFound,
     OutOfMemory,
     SamplingParams,
-    UnillmWarning,
     UnsupportedParameter,
 )
 from unillm.testing import TinyModel, check_closed, check_engine
@@ -285,15 +284,29 @@ def test_a_prompt_beyond_the_context_is_refused_at_the_call(engine: ExLlamaV3Eng
         engine.generate(PROMPT, GREEDY, max_tokens=510)
 
 
-def test_unsupported_parameters_follow_the_policy(exl3_dir: Path) -> None:
-    with load(exl3_dir) as e:
-        with pytest.raises(UnsupportedParameter, match="logprobs"):
-            e.generate(PROMPT, GREEDY, logprobs=1)
-        with pytest.raises(UnsupportedParameter):
+def test_response_format_is_refused_whatever_the_policy(exl3_dir: Path) -> None:
+    for policy in ("strict", "warn", "drop"):
+        e = ExLlamaV3Engine(model=str(exl3_dir), context_length=512, unsupported_params=policy)
+        with e, pytest.raises(UnsupportedParameter, match="response_format"):
             e.generate(PROMPT, GREEDY, response_format={"type": "json_object"})
-    e = ExLlamaV3Engine(model=str(exl3_dir), context_length=512, unsupported_params="warn").load()
-    with e, pytest.warns(UnillmWarning, match="logprobs"):
-        assert e.generate(PROMPT, GREEDY, logprobs=1).token_ids
+
+
+def test_logprobs_are_the_models_own(engine: ExLlamaV3Engine) -> None:
+    import numpy as np
+
+    out = engine.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True, logprobs=1)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 8
+    model = engine._models[0]  # the fake's table: log-softmax of the logits before the sampler
+    seq = engine.tokenize(PROMPT)
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+        row = np.asarray(model.fake_logits(seq), dtype=np.float64)
+        want = row[token] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        assert lp == pytest.approx(want, abs=1e-4) and lp <= 0.0
+        seq.append(token)
+    stop = out.token_ids[5]
+    cut = engine.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True, logprobs=1, stop_token_ids=[stop])
+    assert cut.logprobs == pytest.approx(out.logprobs[: len(cut.token_ids)], abs=1e-6)
+    assert engine.generate(PROMPT, GREEDY, max_tokens=4).logprobs is None
 
 
 def test_a_failing_step_is_a_generation_error_and_the_engine_carries_on(

@@ -163,7 +163,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
     name: ClassVar[str] = "exllamav3"
     formats: ClassVar[frozenset[str]] = frozenset({"exl3", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=(STANDARD_SAMPLING - {"logprobs"}) | {"min_tokens"},
+        sampling=STANDARD_SAMPLING | {"min_tokens"},
         batching=True,
         devices=frozenset({"cuda"}),
     )
@@ -411,7 +411,9 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             sampler=self._sampler(params),
             seed=params.seed if params.seed is not None else self.options.seed,
             stop_conditions=list(dict.fromkeys([*stops, *params.stop])),
+            return_logits=params.logprobs is not None,  # the model's own, before the sampler
         )
+        want_lp = params.logprobs is not None
         runner = self._runner  # close() drops the attribute while this stream may still run
         live = runner.submit(job)
         try:
@@ -420,12 +422,14 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
                 for r in events:
                     text: str = r.get("text", "")
                     out = tuple(int(t) for t in r["token_ids"][0].tolist()) if "token_ids" in r else ()
+                    logits = r.get("logits")
                     if r["eos"]:
                         if r.get("eos_reason") == "stop_token":
                             text, out = self._held_before_stop(r)
+                            logits = (r.get("held") or {}).get("logits")
                         self._finish(r, req, len(ids))
                     if text or out:
-                        yield text, out, None
+                        yield text, out, self._logprobs(logits, out) if want_lp else None
         except Exception as exc:  # a failed step (the worker's), or a closed engine
             err = generation_error(exc)
             if err is exc:
@@ -455,6 +459,16 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
         if not ids:
             return "", ()
         return str(self._tokenizer.decode(self._proto.new_tensor(ids))), tuple(ids)
+
+    def _logprobs(self, logits: Any, out: tuple[int, ...]) -> tuple[float, ...]:
+        """Each chosen token's log-probability under the model: a log-softmax of the logits
+        exllamav3 returned for it (``return_logits``; shape (1, n, padded vocabulary))."""
+        if logits is None:
+            return tuple(0.0 for _ in out)  # not expected: exllamav3 returns a row per token
+        rows, vocab = logits[0], self.vocab_size
+        return tuple(
+            float(rows[i, t].item() - rows[i, :vocab].float().logsumexp(-1).item()) for i, t in enumerate(out)
+        )
 
     def _sampler(self, params: SamplingParams) -> Any:
         """exllamav3's ComboSampler: penalties and logit bias, then argmax at temperature 0, else

@@ -51,6 +51,14 @@ class Tensor:
     def numpy(self) -> Any:
         return self._a
 
+    def float(self) -> Tensor:
+        return Tensor(self._a, np.float32)
+
+    def logsumexp(self, dim: int) -> Tensor:
+        a = self._a.astype(np.float64)
+        m = a.max(axis=dim, keepdims=True)
+        return Tensor(np.squeeze(m, axis=dim) + np.log(np.exp(a - m).sum(axis=dim)), np.float64)
+
     def clone(self) -> Tensor:
         return Tensor(self._a.copy(), self._a.dtype)
 

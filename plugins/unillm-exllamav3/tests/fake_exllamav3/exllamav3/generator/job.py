@@ -88,6 +88,7 @@ class Job:
         self.new_tokens = 0
         self.decode_special_tokens = decode_special_tokens
         self.return_probs = return_probs
+        self.return_logits = return_logits
         self.stop_strings: set[str] = set()
         self.stop_tokens: set[int] = set()
         if stop_conditions is not None:
@@ -105,6 +106,8 @@ class Job:
         self.held_text = ""
         self.held_tokens: list[int] = []
         self.held_probs: list[float] = []
+        self.held_logits: list[Any] = []
+        self.last_logits: Any = None
         self.full_completion = ""
         self.time_enqueue: float | None = None
         self.time_first_prefill: float | None = None
@@ -225,6 +228,7 @@ class Job:
 
     def fake_sample(self) -> int:
         logits = np.array(self.generator.model.fake_logits(self.sequence_ids), dtype=np.float64)
+        self.last_logits = logits.copy()  # what return_logits hands back: before the sampler
         if self.new_tokens < self.min_new_tokens:
             for t in self.stop_tokens:
                 logits[t] = -np.inf
@@ -287,6 +291,9 @@ class Job:
                 if self.held_probs:
                     r["token_probs"] = Tensor([self.held_probs], np.float32)
                     self.held_probs = []
+                if self.held_logits:
+                    r["logits"] = Tensor([self.held_logits], np.float32)
+                    self.held_logits = []
             if emit_eos:
                 self.time_last_token = time.time()
                 self.time_enqueued += self.time_first_prefill - self.time_enqueue  # type: ignore[operator]
@@ -315,6 +322,8 @@ class Job:
                     rh["text"] = self.held_text
                 if self.held_tokens:
                     rh["token_ids"] = Tensor([self.held_tokens])
+                if self.held_logits:
+                    rh["logits"] = Tensor([self.held_logits], np.float32)
                 if rh:
                     r["held"] = rh
             if self.identifier is not None:
@@ -328,6 +337,10 @@ class Job:
         self.held_tokens.append(next_token)
         if self.return_probs:
             self.held_probs.append(1.0)  # the fake's probabilities are not modelled
+        if self.return_logits:  # padded to a multiple of 32, as exllamav3's are
+            row = np.full(self.generator.padded_vocab_size, -np.inf, dtype=np.float32)
+            row[: len(self.last_logits)] = self.last_logits
+            self.held_logits.append(row)
 
         if next_token in self.stop_tokens:
             return emit(emit_eos=True, eos_reason="stop_token", stop_token=next_token)
