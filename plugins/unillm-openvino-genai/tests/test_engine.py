@@ -226,3 +226,13 @@ def test_a_device_openvino_lacks_is_a_load_error(ir_dir: Path) -> None:
 
 def test_engine_closed_is_public() -> None:
     assert issubclass(EngineClosed, unillm.UnillmError)
+
+
+def test_streamed_text_is_the_decoded_ids(engine: Any) -> None:
+    # the text deltas are decoded over a short window of ids: joined, they equal the whole decode
+    for prompt in PROMPTS:
+        chunks = list(engine.stream(prompt, temperature=0.0, max_tokens=64, ignore_eos=True))
+        ids = [i for c in chunks for i in c.token_ids]
+        whole = engine._tok.decode(ids)
+        joined = "".join(c.text for c in chunks)
+        assert joined == whole.rstrip("\ufffd") or joined == whole, (prompt, joined, whole)
