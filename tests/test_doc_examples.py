@@ -88,6 +88,14 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "starts this very command",
     ("README.md", 'base_url="http://127.0.0.1:8000/v1"'): "talks to the server of the block before; "
     "docs/server.md's in-process block makes the same calls",
+    ("docs/benchmarks.md", "--backends llama.cpp,mlx --concurrency 1,4"): "loads two engines and runs 32 "
+    "requests each; tests/test_bench_engines.py runs this command on the tiny model with a smaller workload",
+    ("docs/benchmarks.md", "unillm bench --url"): "needs a running server; tests/test_bench_engines.py "
+    "benchmarks unillm serve and llama-cpp-python's server on loopback",
+    ("docs/benchmarks.md", "unillm bench compare"): "needs the result files of earlier runs; "
+    "tests/test_bench.py runs compare on written results",
+    ("docs/benchmarks.md", "--out benchmarks/results"): "the page's measured run (minutes on the shared "
+    "machine); its result files are in benchmarks/results/",
 }
 
 

@@ -17,8 +17,9 @@ __all__ = ["label", "plot", "table"]
 def label(result: dict[str, Any]) -> str:
     """``engine version`` (or the URL's), the line a result is drawn and listed under."""
     engine = result["metadata"]["engine"]
-    version = engine.get("version") or "?"
-    return f"{engine.get('name') or result['target'].get('url')} {version}"
+    name = str(engine.get("name") or result["target"].get("url"))
+    version = str(engine.get("version") or "?")
+    return version if version.startswith(name + " ") else f"{name} {version}"
 
 
 def _ms(value: float | None) -> str:
