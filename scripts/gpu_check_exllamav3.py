@@ -228,7 +228,7 @@ def main() -> int:
         stream = engine.stream(PROMPTS[0], greedy, max_tokens=400, ignore_eos=True)
         next(stream)
         next(stream)
-        stream.close()
+        stream.close()  # type: ignore[attr-defined]
         gen: Any = engine._generator  # type: ignore[attr-defined]
         for _ in range(500):
             if engine._runner.call(gen.num_remaining_jobs) == 0:  # type: ignore[attr-defined]

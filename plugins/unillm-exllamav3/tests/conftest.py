@@ -31,8 +31,9 @@ def _gpu_assumed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def exl() -> ModuleType:
     import exllamav3
 
+    module: ModuleType = exllamav3
     assert Path(exllamav3.__file__).is_relative_to(FAKE), exllamav3.__file__
-    return exllamav3
+    return module
 
 
 @pytest.fixture

@@ -180,6 +180,7 @@ def test_usage_timings_and_prefix_reuse(engine: ExLlamaV3Engine) -> None:
 
 def test_kv_stats_count_pages_in_use_while_a_request_runs(engine: ExLlamaV3Engine, fake: Any) -> None:
     idle = engine.kv_stats()
+    assert idle.capacity_tokens is not None and idle.bytes_per_token is not None
     assert idle.capacity_tokens == engine._cache.max_num_tokens and idle.block_size == 256
     assert idle.total_blocks == idle.capacity_tokens // 256
     assert idle.bytes_per_token == 2 * 2 * 1 * 64 * 2  # K and V x layers x kv heads x head dim x f16
@@ -192,7 +193,7 @@ def test_kv_stats_count_pages_in_use_while_a_request_runs(engine: ExLlamaV3Engin
     busy = engine.kv_stats()
     assert busy.used_tokens and busy.used_tokens >= len(engine.tokenize(PROMPT))
     assert busy.used_blocks and busy.used_bytes == busy.used_tokens * idle.bytes_per_token
-    stream.close()
+    stream.close()  # type: ignore[attr-defined]
     wait_until(lambda: engine.kv_stats().used_tokens == 0)
 
 
@@ -248,7 +249,7 @@ def test_closing_a_stream_cancels_its_job(engine: ExLlamaV3Engine, fake: Any) ->
     next(stream)
     next(stream)
     assert gen.num_remaining_jobs() == 1
-    stream.close()
+    stream.close()  # type: ignore[attr-defined]
     wait_until(lambda: engine._runner.call(gen.num_remaining_jobs) == 0)
     assert len(gen.fake_finished) == finished  # cancelled, not run to its end
     assert engine.kv_stats().used_tokens == 0  # its pages are free
