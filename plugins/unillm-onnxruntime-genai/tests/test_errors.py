@@ -66,7 +66,7 @@ def test_a_sampling_parameter_it_cannot_honour_is_refused(
     engine: OnnxGenAIEngine, param: dict[str, float]
 ) -> None:
     with pytest.raises(unillm.UnsupportedParameter) as info:
-        engine.generate("hi", temperature=0.0, **param)
+        engine.generate("hi", {"temperature": 0.0, **param})
     assert info.value.params == list(param) and info.value.backend == "onnxruntime-genai"
 
 

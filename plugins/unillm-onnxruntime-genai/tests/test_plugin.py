@@ -24,8 +24,8 @@ def test_the_hooks_register_the_engine_and_its_guide_entries() -> None:
     pm.hook.unillm_guide_entries(add=entries.append)
     assert classes == [OnnxGenAIEngine]
     assert {e.engine for e in entries} == {"onnxruntime-genai"}
-    assert all(e.formats == {"onnx-genai"} and e.rank == 0 for e in entries)
-    assert any(e.machines == {"cpu"} and "app deployment" in e.reason for e in entries)
+    assert all(e.formats == frozenset({"onnx-genai"}) and e.rank == 0 for e in entries)
+    assert any(e.machines == frozenset({"cpu"}) and "app deployment" in e.reason for e in entries)
     assert any(e.machines is None and "DirectML" in e.reason for e in entries)
 
 
