@@ -388,3 +388,39 @@ def test_the_cli_compares_and_refuses(mock_result: dict[str, Any], tmp_path: Pat
     assert refused.exit_code == 2 and "WorkloadMismatch" in refused.output and "seed" in refused.output
     forced = runner.invoke(app, ["bench", "compare", str(a), str(b), "--force"])
     assert forced.exit_code == 0 and "flag: workloads differ (forced)" in forced.output
+
+
+def test_a_duration_ends_each_level() -> None:
+    engine = mock(Scripted(first_s=0.02))
+    wl = Workload(input_len=4, output_len=1, duration_s=0.3, concurrency=[2], warmup=0)
+    assert wl.requests is None
+    result = bench_engine(engine, wl)
+    level = result["levels"][0]
+    # two clients, ~20 ms a request: about 30 requests in 0.3 s, and none sent after it
+    assert 4 <= level["summary"]["requests"] <= 40
+    assert max(r["send"] for r in level["records"]) < 0.3
+
+
+def test_structured_output_asks_for_the_schema_and_says_lengths_are_not_enforced() -> None:
+    seen: list[SamplingParams] = []
+
+    def respond(prompt: str, params: SamplingParams) -> str:
+        seen.append(params)
+        return '{"answer": "x", "confidence": 1}'
+
+    engine = mock(respond)
+    result = bench_engine(engine, Workload(input_len=4, output_len=16, requests=2, warmup=0, structured=True))
+    assert all(p.response_format is not None and not p.ignore_eos for p in seen)
+    assert result["output_lengths"]["enforced"] is False
+    assert "structured" in result["output_lengths"]["how"]
+    assert result["levels"][0]["summary"]["output_len_mismatches"] == 2  # said, not hidden
+
+
+def test_an_engine_without_ignore_eos_says_so() -> None:
+    caps = Capabilities(sampling=frozenset({"max_tokens", "temperature", "stop"}), batching=True)
+    engine = MockEngine(Scripted(), capabilities=caps).load()
+    result = bench_engine(engine, Workload(input_len=4, output_len=3, requests=1, warmup=0))
+    assert result["output_lengths"] == {
+        "enforced": False,
+        "how": "none: mock has no ignore_eos; max_tokens bounds the output",
+    }
