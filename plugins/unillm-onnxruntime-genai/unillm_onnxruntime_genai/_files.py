@@ -111,6 +111,9 @@ class ModelDir:
         self.head_size = _int(decoder.get("head_size"))
         self.hidden_size = _int(decoder.get("hidden_size"))
         self.heads = _int(decoder.get("num_attention_heads"))
+        outputs = decoder.get("outputs")
+        key = outputs.get("present_key_names") if isinstance(outputs, dict) else None
+        self.present_key = key if isinstance(key, str) and key.count("%d") == 1 else "present.%d.key"
         eos = model.get("eos_token_id")
         ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)

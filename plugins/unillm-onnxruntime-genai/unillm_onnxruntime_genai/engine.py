@@ -209,6 +209,7 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
         self._model = model
         self._tokenizer = tokenizer
         self._info = info
+        self._template = info.chat_template()  # read once; a broken one fails here, at load
         self.context_length = ctx
         vocab = info.vocab_size
         self.vocab_size = vocab
@@ -238,7 +239,7 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
         gp.set_search_options(**_search(params, n_prompt + max_tokens))
         gen = og.Generator(self._model, gp)
         self._live = gen
-        bias = _bias(params, self.vocab_size) if params.logit_bias else None
+        bias: Any = None  # logit_bias as a row of the logits' width, made at the first step
         want_lp = params.logprobs is not None
         table = self._bytes
         if table is not None:
@@ -252,16 +253,18 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
             gen.append_tokens(np.asarray(ids, dtype=np.int32))
             while True:
                 lp = None
-                if bias is not None or want_lp:
+                if params.logit_bias or want_lp:
                     logits = gen.get_logits()
                     if want_lp:
                         row = logits.reshape(-1).astype(np.float64)
-                    if bias is not None:
+                    if params.logit_bias:
+                        if bias is None:
+                            bias = _bias(params.logit_bias, logits.size)
                         gen.set_logits((logits.reshape(-1) + bias).astype(np.float32).reshape(logits.shape))
                 gen.generate_next_token()
                 tok = int(gen.get_next_tokens()[0])
                 if self._kv_itemsize is None:
-                    self._kv_itemsize = _kv_itemsize(gen)
+                    self._kv_itemsize = _kv_itemsize(gen, self._info.present_key)
                 if tok in eos:
                     req.finish_reason = "stop"
                     return
@@ -287,7 +290,7 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
     # ---- chat and tokenizer ----
 
     def _chat_template(self) -> str | None:
-        return self._info.chat_template()
+        return self._template
 
     def _special_tokens(self) -> dict[str, str]:
         return self._info.special_tokens()
@@ -349,20 +352,22 @@ def _search(params: SamplingParams, max_length: int) -> dict[str, Any]:
     }
 
 
-def _bias(params: SamplingParams, vocab: int | None) -> np.ndarray:
+def _bias(logit_bias: dict[int, float], width: int) -> np.ndarray:
     import numpy as np
 
-    assert params.logit_bias is not None and vocab is not None
-    out = np.zeros(vocab, dtype=np.float32)
-    for tok, value in params.logit_bias.items():
-        out[tok] += value
+    out = np.zeros(width, dtype=np.float32)
+    for tok, value in logit_bias.items():
+        if tok < width:  # the base class checked the ids against genai_config's vocab_size
+            out[tok] += value
     return out
 
 
-def _kv_itemsize(gen: Any) -> int | None:
+def _kv_itemsize(gen: Any, present_key: str) -> int:
+    """The element size of the first layer's key cache (one copy of it, once per engine); 0 when
+    the model's outputs say otherwise than genai_config.json names them: unknown, never guessed."""
     try:
-        return int(gen.get_output("present.0.key").dtype.itemsize)
-    except Exception:  # a model whose cache outputs are named otherwise: the size stays unknown
+        return int(gen.get_output(present_key % 0).dtype.itemsize)
+    except Exception:
         return 0
 
 
