@@ -25,6 +25,8 @@ __all__ = [
     "generation_error",
     "is_oom",
     "load_error",
+    "load_tokenizer",
+    "load_weights",
     "model_config",
     "template",
 ]
@@ -98,6 +100,53 @@ def template(tokenizer: Any, path: Path) -> str | None:
         value = json.loads(chat_json.read_text(encoding="utf-8")).get("chat_template")
         return value if isinstance(value, str) else None
     return None
+
+
+# ---- exllamav3's loaders ----
+
+
+def load_weights(
+    exl: Any, config: Any, opts: Any, cache_size: int, what: str, *, main: bool
+) -> tuple[Any, Any]:
+    """The model and its cache (created first: exllamav3 allocates attached caches at load)."""
+    model = exl.Model.from_config(config)
+    kwargs: dict[str, Any] = {"max_chunk_size": opts.max_chunk_size, "progressbar": False}
+    if main and opts.tensor_parallel:
+        kwargs.update(tensor_p=True, tp_backend=opts.tp_backend)
+        if opts.moe_tensor_split:
+            kwargs["tp_options"] = {"moe_tensor_split": True}
+    if main:
+        kwargs["max_batch_size"] = opts.max_batch_size
+        if opts.use_per_device:
+            kwargs["use_per_device"] = list(opts.use_per_device)
+        if opts.reserve_per_device:
+            kwargs["reserve_per_device"] = list(opts.reserve_per_device)
+    stage = "cache"
+    try:
+        if opts.cache_type == "fp16":
+            cache = exl.Cache(model, max_num_tokens=cache_size, layer_type=exl.CacheLayer_fp16)
+        else:
+            bits = CACHE_BITS[opts.cache_type]
+            cache = exl.Cache(
+                model,
+                max_num_tokens=cache_size,
+                layer_type=exl.CacheLayer_quant,
+                k_bits=bits,
+                v_bits=bits,
+            )
+        stage = "weights and cache"
+        model.load(**kwargs)
+    except Exception as exc:
+        model.unload()
+        raise load_error(exc, what, stage, str(config.directory)) from exc
+    return model, cache
+
+
+def load_tokenizer(exl: Any, config: Any, path: Path) -> Any:
+    try:
+        return exl.Tokenizer.from_config(config)
+    except (FileNotFoundError, ValueError, OSError, KeyError) as exc:
+        raise ModelFormatError(f"exllamav3 cannot read the tokenizer of {str(path)!r}: {exc}") from exc
 
 
 # ---- error map ----

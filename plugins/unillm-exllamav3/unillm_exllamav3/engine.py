@@ -12,23 +12,20 @@ sandbox. Written against unillm's public API only (``unillm``, ``unillm.backend`
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import shutil
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import replace
 from importlib.util import find_spec
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel
 
-from unillm import BackendUnavailable, ConfigError, ContextLengthExceeded, GenerationError, ModelFormatError
+from unillm import BackendUnavailable, ConfigError, ContextLengthExceeded, GenerationError
 from unillm.backend import (
     STANDARD_SAMPLING,
     Availability,
@@ -49,112 +46,28 @@ from unillm.backend import (
 )
 from unillm_exllamav3._jobs import JobRunner, job_done
 from unillm_exllamav3._load import (
-    CACHE_BITS,
     checked_dir,
     eos_ids,
     generation_error,
     load_error,
+    load_tokenizer,
+    load_weights,
     model_config,
     template,
+)
+from unillm_exllamav3._options import (
+    ASSUME_GPU_ENV,
+    DEFAULT_CONTEXT,
+    INSTALL_HINT,
+    NO_GPU,
+    PAGE,
+    ExLlamaV3Options,
+    nvidia_present,
 )
 
 __all__ = ["ASSUME_GPU_ENV", "INSTALL_HINT", "ExLlamaV3Engine", "ExLlamaV3Options", "nvidia_present"]
 
-INSTALL_HINT = "pip install unillm-exllamav3 exllamav3"
-NO_GPU = (
-    "needs an NVIDIA (CUDA) GPU and found none (exllamav3 compiles CUDA code at import); use "
-    "llama.cpp for GGUF models, or MLX on a Mac"
-)
-#: "1" skips the GPU probe and assumes an NVIDIA GPU, "0" assumes none: for tests (against a fake
-#: exllamav3) and for machines whose GPU the probe cannot see.
-ASSUME_GPU_ENV = "UNILLM_EXLLAMAV3_ASSUME_GPU"
-_DEFAULT_CONTEXT = 4096
-_PAGE = 256  # exllamav3's cache page; the cache holds whole pages
 _CONSUMER_GPUS = 4  # the guide's case: 2-4 consumer NVIDIA GPUs
-
-
-@functools.lru_cache(maxsize=1)
-def _nvidia_probe() -> bool:
-    if Path("/dev/nvidia0").exists() or any(Path("/proc/driver/nvidia/gpus").glob("*")):
-        return True
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
-
-
-def nvidia_present() -> bool:
-    """An NVIDIA GPU is there (driver nodes, then nvidia-smi), or ``ASSUME_GPU_ENV`` says so."""
-    forced = os.environ.get(ASSUME_GPU_ENV, "").strip()
-    return forced == "1" if forced in ("0", "1") else _nvidia_probe()
-
-
-# ---- options ----
-
-
-class ExLlamaV3Options(BaseModel):
-    """Load options of the ExLlamaV3 backend."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_seq_len: int | None = Field(
-        default=None,
-        ge=16,
-        description="Longest sequence (prompt + completion); default: the config's context_length, "
-        f"else min(the model's trained context, {_DEFAULT_CONTEXT}).",
-    )
-    cache_size: int | None = Field(
-        default=None,
-        ge=_PAGE,
-        description="Tokens the KV cache holds, shared by all running requests (rounded up to a "
-        "multiple of 256, at least max_seq_len); default: max_seq_len x max_batch_size.",
-    )
-    cache_type: Literal["fp16", "q8", "q6", "q4"] = Field(
-        default="fp16", description="KV cache precision: FP16, or quantized to 8, 6 or 4 bits (K and V)."
-    )
-    tensor_parallel: bool = Field(
-        default=False,
-        description="Split every layer across the GPUs (exllamav3's tensor_p; MoE layers by expert "
-        "parallelism unless moe_tensor_split); False splits by layers, filling each GPU in turn.",
-    )
-    moe_tensor_split: bool = Field(
-        default=False, description="Under tensor_parallel, split MoE layers by tensor, not by expert."
-    )
-    tp_backend: Literal["native", "nccl"] = Field(
-        default="native", description="Tensor-parallel communication: exllamav3's native one, or NCCL."
-    )
-    use_per_device: list[float] | None = Field(
-        default=None,
-        description="GB to use on each GPU, in order (0 leaves a GPU out); None: all of each.",
-    )
-    reserve_per_device: list[float] | None = Field(
-        default=None,
-        description="GB to keep free on each GPU, in order (negative leaves a GPU out); exclusive "
-        "with use_per_device.",
-    )
-    max_batch_size: int = Field(default=8, ge=1, description="Requests decoded together.")
-    max_chunk_size: int = Field(
-        default=2048,
-        ge=_PAGE,
-        description="Prompt tokens evaluated per step; smaller chunks pause running requests for "
-        "less time when a long prompt arrives.",
-    )
-    draft_model: str | None = Field(
-        default=None, description="A small EXL3 model with the same vocabulary, for speculative decoding."
-    )
-    num_draft_tokens: int = Field(default=4, ge=1, le=16, description="Tokens the draft model proposes.")
-    seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
-
-    @field_validator("use_per_device", "reserve_per_device")
-    @classmethod
-    def _one_per_gpu(cls, value: list[float] | None) -> list[float] | None:
-        if value is not None and not value:
-            raise ValueError("give one number of GB for each GPU")
-        return value
 
 
 class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
@@ -278,14 +191,14 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             ) from exc
 
         config = model_config(exl, path, "model")
-        trained = int(getattr(config, "max_position_embeddings", 0) or _DEFAULT_CONTEXT)
-        n_ctx = opts.max_seq_len or self.config.context_length or min(trained, _DEFAULT_CONTEXT)
+        trained = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT)
+        n_ctx = opts.max_seq_len or self.config.context_length or min(trained, DEFAULT_CONTEXT)
         draft_tokens = opts.num_draft_tokens if opts.draft_model else 0
         batch = opts.max_batch_size
         want = opts.cache_size or n_ctx * batch
         # a job holds its prompt, max_tokens + 1 (exllamav3 counts one short) and the draft window
-        cache_size = -(-max(want, n_ctx + draft_tokens + 2) // _PAGE) * _PAGE
-        model, cache = self._load_weights(exl, config, cache_size, "model", main=True)
+        cache_size = -(-max(want, n_ctx + draft_tokens + 2) // PAGE) * PAGE
+        model, cache = load_weights(exl, config, self.options, cache_size, "model", main=True)
         loaded = [model]
         try:
             draft = draft_cache = None
@@ -297,9 +210,11 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
                         f"the draft model's vocabulary ({dconfig.vocab_size}) differs from the model's "
                         f"({config.vocab_size}); speculative decoding needs the same tokenizer"
                     )
-                draft, draft_cache = self._load_weights(exl, dconfig, cache_size, "draft model", main=False)
+                draft, draft_cache = load_weights(
+                    exl, dconfig, self.options, cache_size, "draft model", main=False
+                )
                 loaded.append(draft)
-            tokenizer = _tokenizer(exl, config, path)
+            tokenizer = load_tokenizer(exl, config, path)
             try:
                 generator = exl.Generator(
                     model=model,
@@ -335,43 +250,6 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
         self._stats_lock = threading.Lock()
         self._queries = self._hits = 0
         self._runner = JobRunner(generator)
-
-    def _load_weights(
-        self, exl: Any, config: Any, cache_size: int, what: str, *, main: bool
-    ) -> tuple[Any, Any]:
-        """The model and its cache (created first: exllamav3 allocates attached caches at load)."""
-        opts = self.options
-        model = exl.Model.from_config(config)
-        kwargs: dict[str, Any] = {"max_chunk_size": opts.max_chunk_size, "progressbar": False}
-        if main and opts.tensor_parallel:
-            kwargs.update(tensor_p=True, tp_backend=opts.tp_backend)
-            if opts.moe_tensor_split:
-                kwargs["tp_options"] = {"moe_tensor_split": True}
-        if main:
-            kwargs["max_batch_size"] = opts.max_batch_size
-            if opts.use_per_device:
-                kwargs["use_per_device"] = list(opts.use_per_device)
-            if opts.reserve_per_device:
-                kwargs["reserve_per_device"] = list(opts.reserve_per_device)
-        stage = "cache"
-        try:
-            if opts.cache_type == "fp16":
-                cache = exl.Cache(model, max_num_tokens=cache_size, layer_type=exl.CacheLayer_fp16)
-            else:
-                bits = CACHE_BITS[opts.cache_type]
-                cache = exl.Cache(
-                    model,
-                    max_num_tokens=cache_size,
-                    layer_type=exl.CacheLayer_quant,
-                    k_bits=bits,
-                    v_bits=bits,
-                )
-            stage = "weights and cache"
-            model.load(**kwargs)
-        except Exception as exc:
-            model.unload()
-            raise load_error(exc, what, stage, str(config.directory)) from exc
-        return model, cache
 
     # ---- stream ----
 
@@ -514,7 +392,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             bytes_per_token=bpt,
             capacity_bytes=bpt * capacity if bpt is not None else None,
             used_bytes=bpt * used if bpt is not None else None,
-            block_size=_PAGE,
+            block_size=PAGE,
             total_blocks=int(pagetable.max_pages),
             used_blocks=len(in_use),
             dtype=self.options.cache_type,
@@ -550,13 +428,6 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
 
 
 # ---- helpers ----
-
-
-def _tokenizer(exl: Any, config: Any, path: Path) -> Any:
-    try:
-        return exl.Tokenizer.from_config(config)
-    except (FileNotFoundError, ValueError, OSError, KeyError) as exc:
-        raise ModelFormatError(f"exllamav3 cannot read the tokenizer of {str(path)!r}: {exc}") from exc
 
 
 def _cache_step(cache_type: str) -> Fallback:
