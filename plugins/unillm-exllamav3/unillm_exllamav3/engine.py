@@ -129,17 +129,16 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
 
     @classmethod
     def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
-        """The base steps (a shorter context), then a smaller cache pool (half as many requests
-        at full length), then a quantized KV cache (exllamav3 allocates the whole cache at load):
-        Q8 when it is FP16, then Q4."""
+        """What ``auto_engine`` tries, cheapest cost first: a quantized KV cache (exllamav3
+        allocates the whole cache at load), Q8 when it is FP16, then Q4 (quality); half the batch,
+        a cache pool for half as many requests at full length (speed: same output, fewer at once);
+        then the base steps, a shorter context (capability)."""
         steps = [*super().fallbacks(config, facts)]
         opts = config.options_for(cls.name)
         batch = int(opts.get("max_batch_size", 8))
         if batch > 1 and not opts.get("cache_size"):
             steps.append(
-                Fallback(
-                    f"max_batch_size={batch // 2}", Cost.CAPABILITY, options={"max_batch_size": batch // 2}
-                )
+                Fallback(f"max_batch_size={batch // 2}", Cost.SPEED, options={"max_batch_size": batch // 2})
             )
         cache_type = opts.get("cache_type", "fp16")
         if cache_type == "fp16":
