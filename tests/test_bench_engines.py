@@ -123,6 +123,9 @@ def test_http_run_against_unillm_serve(unillm_server: Any, tiny: Any, tmp_path: 
     )  # fmt: skip
     assert result["target"] == {"kind": "http", "url": unillm_server.v1, "model": "tiny"}
     check_exact(result, 20, 6)
+    kv = result["levels"][0]["kv"]  # from the server's /metrics
+    assert kv["prefix_cache_queries"] > 0 and kv["prefix_cache_hits"] is not None
+    assert kv["peak_usage"] is not None and 0 < kv["peak_usage"] <= 1
     path = write_result(result, tmp_path / "http.json")
     assert missing_metadata(json.loads(path.read_text())["metadata"]) == []
 
@@ -182,6 +185,7 @@ def test_http_run_against_llama_cpp_server(tiny: Any) -> None:
             1 for r in result["levels"][0]["records"] if r["output_tokens"] != 6
         )
         assert {r["input_tokens"] for r in result["levels"][0]["records"]} == {16}
+        assert result["levels"][0]["kv"]["peak_usage"] is None  # no /metrics: nothing made up
     finally:
         os.killpg(proc.pid, 15)
         try:

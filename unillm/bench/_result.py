@@ -58,7 +58,9 @@ def _kv_summary(level: Level) -> dict[str, Any]:
     return {
         "capacity_tokens": cap,
         "peak_used_tokens": peak,
-        "peak_usage": peak / cap if peak is not None and cap else None,
+        "peak_usage": level.kv_peak_usage
+        if level.kv_peak_usage is not None
+        else (peak / cap if peak is not None and cap else None),
         "prefix_cache_queries": (q1 - q0) if q0 is not None and q1 is not None else None,
         "prefix_cache_hits": (h1 - h0) if h0 is not None and h1 is not None else None,
         "prefix_hit_rate": rate,

@@ -4,8 +4,9 @@ Each level (a concurrency, or a request rate) runs its warm-up requests, then it
 closed loop (``concurrency`` clients, each sending its next request as its last one ends) or open
 loop (requests sent at arrival times drawn from the seed, Poisson or gamma, at most
 ``max_concurrency`` in flight when set). A sampler beside it reads the process's RSS and the
-engine's ``kv_stats`` ten times a second. What was measured stays in ``Bench.levels`` and
-``Bench.current`` as it happens, so an interrupted run can still be written, marked partial.
+engine's ``kv_stats`` (a server's ``/metrics``) several times a second. What was measured stays
+in ``Bench.levels`` and ``Bench.current`` as it happens, so an interrupted run can still be
+written, marked partial.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from unillm.bench._workload import Workload
 
 __all__ = ["Bench", "Level", "arrival_times", "rss_bytes"]
 
-_SAMPLE_S = 0.1
 _WARMUP_BASE = 1_000_000  # warm-up requests take indices of their own, not the measured ones'
 
 Progress = Callable[[str, int, int | None], None]  # (level label, done, total or None)
@@ -73,6 +73,7 @@ class Level:
     kv_before: dict[str, Any] | None = None
     kv_after: dict[str, Any] | None = None
     kv_peak_used_tokens: int | None = None
+    kv_peak_usage: float | None = None  # 0..1, as sampled
     partial: bool = False
 
     def __repr__(self) -> str:  # short: asyncio may repr a task's result, and records run long
@@ -84,15 +85,6 @@ class Level:
     @property
     def label(self) -> str:
         return f"c={int(self.value)}" if self.kind == "concurrency" else f"{self.value:g} req/s"
-
-
-def _kv(target: Target) -> dict[str, Any] | None:
-    kv = target.kv_stats()
-    if kv is None:
-        return None
-    import dataclasses
-
-    return dataclasses.asdict(kv)
 
 
 class Bench:
@@ -159,7 +151,7 @@ class Bench:
             await asyncio.gather(*(self._one(i, scratch, t0) for i in batch))
 
     async def _measure(self, level: Level) -> None:
-        level.kv_before = _kv(self.target)
+        level.kv_before = await self.target.kv()
         sampler = asyncio.create_task(self._sample(level))
         t0 = perf_counter()
         try:
@@ -172,7 +164,7 @@ class Bench:
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
-            level.kv_after = _kv(self.target)
+            level.kv_after = await self.target.kv()
 
     async def _closed(self, level: Level, concurrency: int, t0: float) -> None:
         wl = self.workload
@@ -218,10 +210,14 @@ class Bench:
             rss = rss_bytes()
             if rss is not None:
                 level.peak_rss_bytes = max(level.peak_rss_bytes or 0, rss)
-            kv = self.target.kv_stats()
-            if kv is not None and kv.used_tokens is not None:
-                level.kv_peak_used_tokens = max(level.kv_peak_used_tokens or 0, kv.used_tokens)
-            await asyncio.sleep(_SAMPLE_S)
+            kv = await self.target.kv()
+            if kv is not None:
+                used, usage = kv.get("used_tokens"), kv.get("usage")
+                if used is not None:
+                    level.kv_peak_used_tokens = max(level.kv_peak_used_tokens or 0, used)
+                if usage is not None:
+                    level.kv_peak_usage = max(level.kv_peak_usage or 0.0, usage)
+            await asyncio.sleep(self.target.sample_every_s)
 
 
 def _wall(level: Level, elapsed: float) -> float:

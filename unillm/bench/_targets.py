@@ -9,7 +9,9 @@ type is recorded, so a run reports its errors by kind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,13 @@ STRUCTURED_SCHEMA: dict[str, Any] = {
 }
 
 
+_METRIC = re.compile(
+    r"^(?:vllm|unillm|sglang):(?P<name>kv_cache_usage_perc|prefix_cache_(?:queries|hits)(?:_total)?)"
+    r"(?:\{[^}]*\})?\s+(?P<value>[-+0-9.eE]+|NaN)\s*$",
+    re.MULTILINE,
+)
+
+
 class Target:
     """Base of the targets: ``send`` one request, fill its record."""
 
@@ -41,7 +50,11 @@ class Target:
     async def send(self, req: BenchRequest, rec: RequestRecord, t0: float) -> None:
         raise NotImplementedError
 
-    def kv_stats(self) -> KVStats | None:
+    #: seconds between samples of the KV cache while a level runs
+    sample_every_s: float = 0.1
+
+    async def kv(self) -> dict[str, Any] | None:
+        """The KV cache now, as ``KVStats``'s fields plus ``usage`` (0..1), None when unknown."""
         return None
 
     async def aclose(self) -> None:
@@ -116,11 +129,12 @@ class EngineTarget(Target):
         except Exception as exc:  # recorded by kind; the level goes on
             rec.error, rec.error_message = type(exc).__name__, str(exc)[:300]
 
-    def kv_stats(self) -> KVStats | None:
+    async def kv(self) -> dict[str, Any] | None:
         try:
-            return self.engine.kv_stats()
+            kv: KVStats = self.engine.kv_stats()
         except Exception:  # an engine closing under the sampler
             return None
+        return {**dataclasses.asdict(kv), "usage": kv.utilization}
 
 
 class HttpTarget(Target):
@@ -141,6 +155,8 @@ class HttpTarget(Target):
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             headers=headers,
         )
+        self._no_metrics = False
+        self.sample_every_s = 0.5  # a scrape is a request the server serves too
         self.output_enforcement = (
             "none: structured output ends where the format does"
             if workload.structured
@@ -226,6 +242,33 @@ class HttpTarget(Target):
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             rec.cached_tokens = int(details["cached_tokens"])
+
+    async def kv(self) -> dict[str, Any] | None:
+        """KV usage and prefix-cache counters from the server's Prometheus ``/metrics`` (vLLM's
+        ``vllm:`` names, unillm serve's ``unillm:`` ones), summed over its engines; None when it
+        has no such metrics (llama.cpp's servers)."""
+        if self._no_metrics:
+            return None
+        try:
+            resp = await self.client.get(self.base[: -len("/v1")] + "/metrics", timeout=5.0)
+        except Exception:  # a server busy past the timeout: this sample is skipped
+            return None
+        if resp.status_code != 200:
+            self._no_metrics = True
+            return None
+        found: dict[str, float] = {}
+        for m in _METRIC.finditer(resp.text):
+            key = m["name"].removesuffix("_total")
+            found[key] = found.get(key, 0.0) + float(m["value"])
+        if not found:
+            self._no_metrics = True
+            return None
+        q, h = found.get("prefix_cache_queries"), found.get("prefix_cache_hits")
+        return {
+            "usage": found.get("kv_cache_usage_perc"),
+            "prefix_cache_queries": int(q) if q is not None else None,
+            "prefix_cache_hits": int(h) if h is not None else None,
+        }
 
     async def models(self) -> list[str]:
         """The model ids the server lists (``/v1/models``), empty when it lists none."""
