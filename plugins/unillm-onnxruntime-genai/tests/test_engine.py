@@ -177,3 +177,17 @@ def test_kv_stats_say_what_onnxruntime_genai_can_tell(engine: OnnxGenAIEngine) -
     assert kv.capacity_bytes == 4096 * 1024
     assert kv.prefix_cache_queries is None and kv.prefix_cache_hits is None  # it has no prefix cache
     assert kv.block_size is None and kv.total_blocks is None
+
+
+def test_without_a_byte_table_text_comes_from_onnxruntime_genais_stream(onnx_dir: Path) -> None:
+    # the path of tokenizers that are not byte-level BPE (SentencePiece): ORT GenAI's own stream
+    with OnnxGenAIEngine({"model": str(onnx_dir)}) as e:
+        table = e._bytes
+        ids = e.tokenize(" fox")
+        assert table is not None and b"".join(table[i] for i in ids) == b" fox"
+        e._bytes = None
+        for text in ["The quick brown fox", "Быстрая коричневая лиса", "敏捷的棕色狐狸"]:
+            assert e.detokenize(e.tokenize(text)) == text
+        out = e.generate(PROMPT, GREEDY)
+        assert out.text == "".join(c.text for c in e.stream(PROMPT, GREEDY))
+        assert len(out.token_ids) == 24
