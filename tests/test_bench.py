@@ -424,3 +424,12 @@ def test_an_engine_without_ignore_eos_says_so() -> None:
         "enforced": False,
         "how": "none: mock has no ignore_eos; max_tokens bounds the output",
     }
+
+
+def test_a_workload_longer_than_the_context_fails_before_it_runs() -> None:
+    engine = MockEngine(Scripted(), capabilities=BATCHING, context_length=64).load()
+    with pytest.raises(
+        ConfigError, match=r"60 prompt \+ 16 output tokens\) does not fit mock's context of 64"
+    ):
+        bench_engine(engine, Workload(input_len=60, output_len=16, requests=1))
+    assert engine.requests == []

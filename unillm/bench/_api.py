@@ -75,6 +75,7 @@ def bench_engine(
     weights are (default: the engine's ``config.model``), for the metadata's hash.
     """
     wl = load_workload(workload)
+    _check_context(wl, engine.context_length, engine.name)
     target = EngineTarget(engine, wl)
     prompts = Prompts(wl, engine, vocab_size=engine.vocab_size)
     bench = Bench(target, wl, prompts, progress=progress)
@@ -99,6 +100,22 @@ def bench_engine(
         partial=interrupted,
         price_per_hour=price_per_hour,
     )
+
+
+def _check_context(wl: Workload, context: int | None, name: str) -> None:
+    """A workload whose longest request cannot fit the loaded context fails before it runs, not
+    as a level of errors."""
+    if not context or wl.prompts_jsonl:
+        return
+    longest = wl.input_len.upper + wl.output_len.upper
+    if longest > context:
+        from unillm._errors import ConfigError
+
+        raise ConfigError(
+            f"the workload's longest request ({wl.input_len.upper} prompt + {wl.output_len.upper} "
+            f"output tokens) does not fit {name}'s context of {context} tokens; load it with a "
+            f"longer context (--context {longest}) or shorten the workload"
+        )
 
 
 def _name(path: Path) -> str:

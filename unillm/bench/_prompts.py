@@ -31,7 +31,7 @@ _FALLBACK_WORDS = (
     "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may",
     "then", "do", "first",
 )  # fmt: skip
-_SCAN_LIMIT = 200_000  # ids scanned for one-token words: a large vocabulary needs no more
+_SCAN_LIMIT = 30_000  # ids scanned for one-token words: common words come early in a BPE vocabulary
 
 
 class Tokenizer(Protocol):
