@@ -27,7 +27,7 @@ def env(tmp_path_factory: pytest.TempPathFactory, converter_python: str) -> dict
     # The tiny model and its IR export (~18 s of the converter, more on a busy machine) are kept
     # inside the converters' environment, rebuilt with it: the export is keyed by the weights'
     # digest and the converter's version, so a later run reuses it only when nothing changed.
-    cache = Path(converter_python).resolve().parents[1] / "unillm-cache"
+    cache = Path(converter_python).parent.parent / "unillm-cache"  # bin/python of that venv
     return {**clean, "UNILLM_CACHE": str(cache), "UNILLM_CONVERTER_PYTHON": converter_python}
 
 
@@ -66,7 +66,8 @@ for name, info in unillm.backends().items():
 from unillm._plugins import default_registry
 print("failures", default_registry().failures)
 with unillm.auto_engine(str(ir)) as e:
-    print("chosen", e.name, type(e).__module__)
+    print("chosen", e.name, type(e).__module__, "format", e.selection.format)
+    print("explain", e.selection.explain())
     print("ranked", [c.name for c in e.selection.candidates])
     print("text", e.generate("Paris is", max_tokens=4, temperature=0.0).usage.completion_tokens)
 """
@@ -82,7 +83,9 @@ def test_it_is_found_through_its_entry_point_and_auto_engine_picks_it(
     assert "backend openvino-genai from openvino-genai" in out, out
     assert "backend llama.cpp from builtin" in out  # the plugin sits beside the built-ins
     assert "failures []" in out
-    assert "chosen openvino-genai unillm_openvino_genai.engine" in out, out
+    # its inspection (unillm_inspect_model) names the IR directory, and its guide entry applies
+    assert "chosen openvino-genai unillm_openvino_genai.engine format openvino" in out, out
+    assert "OpenVINO IR is OpenVINO's own format" in out, out
     ranked = re.search(r"ranked (\[.*\])", out)
     assert ranked and ranked.group(1).startswith("['openvino-genai'"), out
     assert "text 4" in out

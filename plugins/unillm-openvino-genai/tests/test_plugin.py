@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from unillm_openvino_genai import unillm_guide_entries, unillm_register_backends
+from unillm_openvino_genai import unillm_guide_entries, unillm_inspect_model, unillm_register_backends
 from unillm_openvino_genai.engine import OpenVINOGenAIEngine
 
 import unillm
@@ -31,8 +31,26 @@ def test_the_hooks_register_the_engine_and_a_guide_entry() -> None:
     assert entries[0].formats == frozenset({"openvino"}) and entries[0].rank == 0
 
 
+def test_its_inspection_names_an_ir_dir_openvino_and_nothing_else(ir_dir: Path, tiny: Any) -> None:
+    info = unillm_inspect_model(str(ir_dir))
+    assert info is not None and info.format == "openvino" and info.path == str(ir_dir)
+    assert (info.layers, info.kv_heads, info.head_dim, info.context_length) == (2, 1, 64, 4096)
+    assert info.weights_bytes == (ir_dir / "openvino_model.bin").stat().st_size
+    assert info.quantization is None  # fp32 export: optimum wrote no openvino_config.json
+    for other in (tiny.hf_dir, tiny.gguf_path, tiny.root, ir_dir / "missing"):
+        assert unillm_inspect_model(str(other)) is None
+
+
+def test_its_inspection_reads_the_weight_compression(ir_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "openvino_model.xml").write_text("<net/>")
+    (tmp_path / "openvino_config.json").write_text('{"quantization_config": {"bits": 4, "sym": false}}')
+    info = unillm_inspect_model(str(tmp_path))
+    assert info is not None and info.format == "openvino" and info.quantization == "int4"
+    assert info.layers is None and info.weights_bytes is None  # no config.json, no .bin: unknown
+
+
 @pytest.mark.parametrize(("hardware", "intel"), [(INTEL, True), (ARC, True), (AMD, False), (None, False)])
-def test_an_ir_dir_outranks_every_built_in_and_more_so_on_intel(
+def test_an_ir_dir_unillm_calls_safetensors_still_outranks_every_built_in(
     ir_dir: Path, hardware: Any, intel: bool
 ) -> None:
     info = unillm.inspect_model(ir_dir)

@@ -7,12 +7,15 @@ hook, openvino_genai itself only when an engine loads.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unillm import hookimpl
 from unillm.backend import GuideEntry
 
-__all__ = ["unillm_guide_entries", "unillm_register_backends"]
+if TYPE_CHECKING:
+    from unillm import ModelInfo
+
+__all__ = ["unillm_guide_entries", "unillm_inspect_model", "unillm_register_backends"]
 
 NAME = "openvino-genai"
 
@@ -22,6 +25,15 @@ def unillm_register_backends(register: Callable[[Any], None]) -> None:
     from unillm_openvino_genai.engine import OpenVINOGenAIEngine
 
     register(OpenVINOGenAIEngine)
+
+
+@hookimpl
+def unillm_inspect_model(path: str) -> ModelInfo | None:
+    """A directory holding ``openvino_model.xml`` is OpenVINO IR (format ``openvino``), whatever
+    else it holds: the ``config.json`` optimum-cli copies beside it is not HF weights."""
+    from unillm_openvino_genai._files import inspect
+
+    return inspect(path)
 
 
 @hookimpl

@@ -37,13 +37,11 @@ from unillm.backend import (
     installed,
     kv_bytes_per_token,
 )
+from unillm_openvino_genai._files import FORMAT, IR_FILES, is_ir_dir
 
 __all__ = ["IR_FILES", "OpenVINOGenAIEngine", "OpenVINOGenAIOptions", "is_ir_dir"]
 
 INSTALL_HINT = "pip install unillm-openvino-genai  (openvino-genai wheels; running needs no torch)"
-#: The files that make a directory an IR model this backend reads.
-IR_FILES = ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
-FORMAT = "openvino"
 _DEFAULT_CONTEXT = 4096
 # OpenVINO's KV cache precisions -> the names of unillm's KV table (u8/u4 carry group scales)
 _KV_TYPES = {"f32": "f32", "f16": "f16", "bf16": "bf16", "u8": "q8", "i8": "q8", "u4": "q4"}
@@ -68,14 +66,6 @@ class OpenVINOGenAIOptions(BaseModel):
     cache_dir: str | None = Field(
         default=None, description="Where OpenVINO caches compiled models (CACHE_DIR): faster later loads."
     )
-
-
-def is_ir_dir(path: str | Path) -> bool:
-    """``path`` is a directory holding an OpenVINO IR model (``openvino_model.xml``)."""
-    try:
-        return (Path(path).expanduser() / IR_FILES[0]).is_file()
-    except OSError:
-        return False
 
 
 def _intel(hardware: Any) -> bool:
@@ -120,9 +110,10 @@ class OpenVINOGenAIEngine(Engine[OpenVINOGenAIOptions]):
         # above the 1.0 a built-in scores for a format it reads, as the hook's docs say to outrank
         score = 1.5
         if fmt != FORMAT:
-            # unillm sees the IR directory's config.json and calls it safetensors, so the guide's
-            # entries for OpenVINO IR cannot apply while those for HF weights do (up to +2.0 to
-            # engines that find no weights to read here): this stands in for the rank-0 bonus
+            # not named by the plugin's inspection (unillm.inspect_model, or a unillm without the
+            # unillm_inspect_model hook, sees the IR directory's config.json: "safetensors"), so
+            # the guide's entry for OpenVINO IR cannot apply while those for HF weights do (up to
+            # +2.0 to engines that find no weights here): this stands in for the rank-0 bonus
             score += 2.0
             reasons.append("an IR directory is read by OpenVINO only")
         if _intel(hardware):
