@@ -35,7 +35,8 @@ class _RunByDefault(TyperGroup):
 
 bench_app = typer.Typer(
     cls=_RunByDefault,
-    help="Benchmark engines (in-process, side by side) or an OpenAI-compatible URL; compare results.",
+    help="Benchmark engines (in-process, side by side) or an OpenAI-compatible URL; compare results. "
+    "`unillm bench MODEL ...` is `unillm bench run MODEL ...`.",
 )
 
 
