@@ -217,3 +217,28 @@ def test_the_cli_wants_a_model_or_a_url() -> None:
     assert res.exit_code == 2 and "give a MODEL" in res.output
     bad = CliRunner().invoke(app, ["bench", "x.gguf", "--concurrency", "1,two"])
     assert bad.exit_code == 2 and "--concurrency" in bad.output
+
+
+def test_the_cli_benchmarks_a_url(unillm_server: Any, tiny: Any, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    args = [
+        "bench",
+        "--url",
+        unillm_server.v1,
+        "--model-path",
+        str(tiny.gguf_path),
+        "--tokenizer",
+        str(tiny.hf_dir),
+    ]
+    args += ["--engine", "unillm serve", "--engine-version", "0.1.0", "--requests", "2", "--rate", "20"]
+    res = CliRunner().invoke(
+        app, [*args, "--input-len", "8", "--output-len", "3", "--no-plots", "--out", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    [written] = tmp_path.glob("bench-*-unillm-serve-*.json")
+    result = read_result(written)
+    assert result["metadata"]["workload"]["arrival"]["process"] == "poisson"
+    assert result["levels"][0]["kind"] == "rate" and result["levels"][0]["summary"]["completed"] == 2
