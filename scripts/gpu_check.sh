@@ -87,9 +87,9 @@ echo "gpu_check: exllamav2 import (extension build) took $(( $(date +%s) - start
 # exllamav3 compiles its CUDA extension at first import (nvcc and ninja, minutes), like exllamav2.
 # scripts/gpu_check_exllamav3.py converts the tiny model to EXL3 with exllamav3's own converter
 # (there is no network for prequantized weights), then checks the plugin against exllamav3 called
-# directly: the Job's max_new_tokens count, greedy parity, streaming, overhead ratio, 8 concurrent
-# requests batched, cancel on close, kv_stats, prefix reuse. Its table goes to
-# $OUT/gpu_check_exllamav3.txt.
+# directly: the Job's max_new_tokens count, greedy parity, streaming, overhead ratio, structured
+# output (llguidance), 8 concurrent requests batched, cancel on close, kv_stats, prefix reuse.
+# Its table goes to $OUT/gpu_check_exllamav3.txt.
 if ls "$WHEELS"/exllamav3-*.whl >/dev/null 2>&1; then
     start=$(date +%s)
     "$VPY" -c "import exllamav3; print('exllamav3', exllamav3.__version__, 'imported')"

@@ -12,7 +12,8 @@ which exllamav3 loads unquantized, and the table says so.
 The checks: what a Job asked for n tokens streams (exllamav3 1.4.1's ``Job`` keeps
 ``max_new_tokens - 1``; the plugin asks for one more), greedy token parity with exllamav3's
 generator called directly, streaming, the overhead of going through unillm (decode time over the
-direct loop's, median of interleaved runs), 8 concurrent requests batched, a closed stream
+direct loop's, median of interleaved runs), structured output through exllamav3's llguidance
+filter, 8 concurrent requests batched, a closed stream
 cancelling its job, KV-cache statistics against the cache exllamav3 built, prefix reuse. Exits 1
 if any check fails. The plugin must be importable (PYTHONPATH=plugins/unillm-exllamav3); it need
 not be installed. tests/test_plugin_exllamav3.py runs this script against the plugin's fake
@@ -204,6 +205,22 @@ def main() -> int:
             f"{statistics.median(theirs) * 1e3:.1f} ms, ratio {ratio:.3f} (limit {OVERHEAD_LIMIT})"
         )
 
+    def structured() -> tuple[bool, str]:
+        schema = {
+            "type": "object",
+            "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer"}},
+            "required": ["color", "n"],
+            "additionalProperties": False,
+        }
+        values = [
+            engine.generate(
+                PROMPTS[0], temperature=1.0, seed=s, max_tokens=64, response_format=schema
+            ).parsed()
+            for s in range(4)
+        ]
+        ok = all(v["color"] in ("red", "blue") and isinstance(v["n"], int) for v in values)
+        return ok, f"4 sampled answers parse under the schema through LLGuidanceFilter: {values[0]}"
+
     def concurrent() -> tuple[bool, str]:
         prompts = [f"Request {i} says" for i in range(8)]
         alone = [engine.generate(p, greedy, ignore_eos=True).token_ids for p in prompts]
@@ -266,6 +283,7 @@ def main() -> int:
         ("greedy parity", parity),
         ("streaming", streaming),
         ("overhead", overhead),
+        ("structured output", structured),
         ("concurrent jobs", concurrent),
         ("cancel on close", cancel),
         ("kv_stats", kv_stats),

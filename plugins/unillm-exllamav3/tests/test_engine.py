@@ -23,7 +23,6 @@ from unillm import (
     ModelNotFound,
     OutOfMemory,
     SamplingParams,
-    UnsupportedParameter,
 )
 from unillm.testing import TinyModel, check_closed, check_engine
 
@@ -285,11 +284,52 @@ def test_a_prompt_beyond_the_context_is_refused_at_the_call(engine: ExLlamaV3Eng
         engine.generate(PROMPT, GREEDY, max_tokens=510)
 
 
-def test_response_format_is_refused_whatever_the_policy(exl3_dir: Path) -> None:
-    for policy in ("strict", "warn", "drop"):
-        e = ExLlamaV3Engine(model=str(exl3_dir), context_length=512, unsupported_params=policy)
-        with e, pytest.raises(UnsupportedParameter, match="response_format"):
-            e.generate(PROMPT, GREEDY, response_format={"type": "json_object"})
+def test_every_sampling_parameter_is_honoured_so_none_is_refused() -> None:
+    from unillm.backend import SamplingParams as Params
+
+    # the unsupported-parameter policy has nothing to refuse here; a new field fails this test
+    assert set(Params.model_fields) == set(ExLlamaV3Engine.capabilities.sampling)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "blue"]},
+        "ok": {"type": "boolean"},
+        "name": {"type": "string", "maxLength": 6},
+    },
+    "required": ["color", "ok", "name"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_is_enforced_by_exllamav3s_llguidance_filter(engine: ExLlamaV3Engine) -> None:
+    from pydantic import BaseModel, ConfigDict, Field
+
+    for seed in range(4):  # sampled at temperature 1: only the filter keeps it in the schema
+        out = engine.generate(PROMPT, temperature=1.0, seed=seed, max_tokens=100, response_format=SCHEMA)
+        value = out.parsed()
+        assert value["color"] in ("red", "blue") and len(value["name"]) <= 6, out.text
+        assert out.finish_reason == "stop" and " " not in out.text.split('"name"')[0]  # compact JSON
+        assert engine._generator.fake_finished[-1]["eos_reason"] == "end_filter"
+
+    class Pet(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # else the schema lets extra keys run on
+        kind: str = Field(pattern="^(cat|dog)$")
+        legs: bool
+
+    pet = engine.generate(PROMPT, temperature=1.0, seed=3, max_tokens=100, response_format=Pet).parsed()
+    assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
+    assert engine.generate(PROMPT, GREEDY, response_format={"type": "json_object"}).parsed() == {}
+    with pytest.raises(ConfigError, match="ignore_eos cannot be combined"):
+        engine.generate(PROMPT, GREEDY, response_format=SCHEMA, ignore_eos=True)
+
+
+def test_a_schema_llguidance_cannot_enforce_is_refused_at_the_call(engine: ExLlamaV3Engine) -> None:
+    bad = {"type": "string", "pattern": "(?=x)y"}  # look-ahead: no regular language
+    with pytest.raises(ConfigError, match="cannot enforce this response_format"):
+        engine.stream(PROMPT, GREEDY, response_format=bad)
+    assert engine.generate(PROMPT, GREEDY, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_logprobs_are_the_models_own(engine: ExLlamaV3Engine) -> None:

@@ -137,8 +137,7 @@ def test_capabilities_follow_the_batch_size() -> None:
     assert ExLlamaV3Engine.capabilities_for(opts()).batching
     assert not ExLlamaV3Engine.capabilities_for(opts(max_batch_size=1)).batching
     caps = ExLlamaV3Engine.capabilities
-    assert "response_format" not in caps.sampling
-    assert {"top_k", "min_p", "repetition_penalty", "logit_bias", "min_tokens", "logprobs"} <= caps.sampling
+    assert {"top_k", "min_p", "logit_bias", "min_tokens", "logprobs", "response_format"} <= caps.sampling
 
 
 def test_probe_build_reports_the_install_without_importing_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,7 +76,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
     name: ClassVar[str] = "exllamav3"
     formats: ClassVar[frozenset[str]] = frozenset({"exl3", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING | {"min_tokens"},
+        sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
         batching=True,
         devices=frozenset({"cuda"}),
     )
@@ -233,6 +233,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             raise
         self._models, self._cache, self._tokenizer, self._generator = loaded, cache, tokenizer, generator
         self._Job, self._Combo = exl.Job, exl.ComboSampler
+        self._Guide = getattr(exl, "LLGuidanceFilter", None)  # exllamav3's llguidance filter
         self._proto = tokenizer.single_token(0)  # makes tensors like exllamav3's: no torch import here
         self._n_ctx = self.context_length = n_ctx
         self._draft_tokens = draft_tokens
@@ -252,7 +253,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
 
     # ---- stream ----
 
-    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any, Any]:
         tok = self._tokenizer
         if isinstance(prompt, str):
             add_bos = self._add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
@@ -271,12 +272,31 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
                 "max_seq_len.",
             )
             raise exc
-        return ids, tensor
+        return ids, tensor, self._format_filter(params)
+
+    def _format_filter(self, params: SamplingParams) -> Any:
+        """The response format as exllamav3's llguidance filter, built at the call (a schema it
+        cannot enforce is refused there, never dropped). The job ends when the format is
+        complete; compact JSON, no free whitespace (a model can run on whitespace for ever)."""
+        fmt = params.output_format
+        if fmt is None:
+            return None
+        if self._Guide is None:
+            raise ConfigError(
+                "this exllamav3 has no LLGuidanceFilter: response_format needs exllamav3 >= 1.4"
+            )
+        schema = {**fmt.json_schema, "x-guidance": {"whitespace_flexible": False}}
+        try:
+            return self._Guide(self._tokenizer, eos_after_completed=True, json_schema=schema)
+        except (ValueError, RuntimeError, AssertionError, ImportError) as exc:
+            raise ConfigError(
+                f"exllamav3's llguidance filter cannot enforce this response_format: {exc}"
+            ) from exc
 
     def _stream(
-        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+        self, prepared: tuple[list[int], Any, Any], params: SamplingParams, req: Request
     ) -> Iterator[RawPiece]:
-        ids, tensor = prepared
+        ids, tensor, guide = prepared
         req.prompt_tokens = len(ids)
         stops: list[int | str] = [*params.stop_token_ids, *(() if params.ignore_eos else self._eos)]
         job = self._Job(
@@ -289,6 +309,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             seed=params.seed if params.seed is not None else self.options.seed,
             stop_conditions=list(dict.fromkeys([*stops, *params.stop])),
             return_logits=params.logprobs is not None,  # the model's own, before the sampler
+            filters=[guide] if guide is not None else None,
         )
         want_lp = params.logprobs is not None
         runner = self._runner  # close() drops the attribute while this stream may still run

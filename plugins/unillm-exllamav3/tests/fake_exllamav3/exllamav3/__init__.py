@@ -5,7 +5,7 @@ Model, Tokenizer, Cache and its layer types, Generator, Job, Filter and the samp
 """
 
 from .cache import Cache, CacheLayer_fp16, CacheLayer_quant
-from .generator import Filter, Generator, Job
+from .generator import Filter, Generator, Job, LLGuidanceFilter
 from .generator.sampler import *  # noqa: F403
 from .model.config import Config
 from .model.model import Model
@@ -20,6 +20,7 @@ __all__ = [
     "Filter",
     "Generator",
     "Job",
+    "LLGuidanceFilter",
     "Model",
     "Tokenizer",
     "__version__",

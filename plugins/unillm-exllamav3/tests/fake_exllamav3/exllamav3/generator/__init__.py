@@ -1,5 +1,5 @@
-from .filter import Filter
+from .filter import Filter, LLGuidanceFilter
 from .generator import Generator
 from .job import Job
 
-__all__ = ["Filter", "Generator", "Job"]
+__all__ = ["Filter", "Generator", "Job", "LLGuidanceFilter"]

@@ -2,9 +2,10 @@
 
 The constructor's arguments and assertions, ``max_new_tokens`` as exllamav3 counts it (``Job``
 keeps ``max_new_tokens - 1 or 1``, so a job asked for n > 1 tokens streams n - 1), the stop
-conditions, the held text (partial stop strings, unfinished characters) and the streaming
-result dicts follow the real one. Token healing, banned strings, filters, embeddings, requeueing
-and loop detection are not modelled (asserted off).
+conditions, the held text (partial stop strings, unfinished characters), filters (fed each
+token, their masks applied; a completed one with ``eos_after_completed`` ends the job with
+``end_filter``) and the streaming result dicts follow the real one. Token healing, banned
+strings, embeddings, requeueing and loop detection are not modelled (asserted off).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class Job:
             input_ids = [input_ids]
         assert all(ids.device.type == "cpu" for ids in input_ids), "input_ids must reside in system memory"
         assert len(input_ids) == 1, "the fake does not model CFG (several sequences per job)"
-        assert not (filters or token_healing or banned_strings or embeddings or stop_on_loop), (
-            "the fake does not model filters, token healing, banned strings, embeddings or loop detection"
+        assert not (token_healing or banned_strings or embeddings or stop_on_loop), (
+            "the fake does not model token healing, banned strings, embeddings or loop detection"
         )
         assert max_rq_tokens is None, "the fake does not model requeueing"
         ids = input_ids[0]
@@ -124,6 +125,7 @@ class Job:
         self.new_unique_pages = 0
         self.allocated_pages: list[CachePage] = []
         self.prefill_complete = False
+        self.filters: list[Any] = filters if filters is not None else []
 
     def __repr__(self) -> str:
         return f"Job #{self.serial_number}"
@@ -232,6 +234,13 @@ class Job:
         if self.new_tokens < self.min_new_tokens:
             for t in self.stop_tokens:
                 logits[t] = -np.inf
+        for f in self.filters:  # each active filter's packed bitmask: bit clear = masked out
+            if f.is_active:
+                bits = np.unpackbits(f.get_next_logit_mask().view(np.uint8), bitorder="little")
+                allowed = np.zeros(len(logits), dtype=bool)
+                n = min(len(bits), len(logits))
+                allowed[:n] = bits[:n].astype(bool)
+                logits = np.where(allowed, logits, -np.inf)
         return self.sampler.fake_sample(
             logits, self.sequence_ids, self.rng, self.generator.tokenizer.actual_vocab_size
         )
@@ -247,6 +256,9 @@ class Job:
         return out
 
     def receive_sample(self, next_token: int, results: list[dict[str, Any]]) -> tuple[bool, int]:
+        filter_eos_condition = False
+        for f in self.filters:
+            filter_eos_condition |= f.feed(next_token)
         self.new_tokens += 1
         self._advance(1)
         self.sequence_ids.append(next_token)
@@ -346,6 +358,8 @@ class Job:
             return emit(emit_eos=True, eos_reason="stop_token", stop_token=next_token)
         if self.new_tokens >= self.max_new_tokens - self.generator.num_draft_tokens:
             return emit(emit_eos=True, emit_held=True, eos_reason="max_new_tokens")
+        if filter_eos_condition:
+            return emit(emit_eos=True, emit_held=True, eos_reason="end_filter")
         if self.held_text.endswith("\ufffd"):
             test = tok.decode(Tensor([self.held_tokens]), decode_special_tokens=self.decode_special_tokens)[0]
             if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:

@@ -22,6 +22,7 @@ class Tokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"No such file or directory: {path!r}")  # HFTokenizer.from_file
         self._hf = Tokenizer.from_file(path)
+        self.tokenizer = self._hf  # exllamav3's name for the HF tokenizer (llguidance builds from it)
         self.extended_piece_to_id: dict[str, int] = {}
         self.unspecial_piece_to_id: dict[str, int] = {}
         with open(path, encoding="utf8") as f:
