@@ -98,6 +98,18 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "machine); its result files are in benchmarks/results/",
     ("docs/benchmarks.md", "bench-workload-shared-prefix.toml --out"): "the page's second measured run; its "
     "result files are in benchmarks/results/",
+    ("docs/plugins/openai-http.md", "pip install -e plugins/unillm-openai-http"): "an installation "
+    "command; tests/test_plugin_openai_http.py runs the plugin from its directory",
+    ("docs/plugins/onnxruntime-genai.md", "pip install -e plugins/unillm-onnxruntime-genai"): "an "
+    "installation command; tests/test_plugin_onnxruntime_genai.py runs the plugin from its directory",
+    ("docs/plugins/onnxruntime-genai.md", "python -m onnxruntime_genai.models.builder"): "the converter's "
+    "environment; scripts/converters.sh builds it and unillm.testing.convert_tiny runs this command",
+    ("docs/plugins/openvino-genai.md", "pip install -e plugins/unillm-openvino-genai"): "an installation "
+    "command; tests/test_plugin_openvino_genai.py runs the plugin from its directory",
+    ("docs/plugins/openvino-genai.md", "optimum-cli export openvino"): "the converter's environment; "
+    "scripts/converters.sh builds it and unillm.testing.convert_tiny runs this export",
+    ("docs/plugins/exllamav3.md", "pip install exllamav3"): "CUDA only (its import compiles a CUDA "
+    "extension); tests/test_plugin_exllamav3.py runs the plugin against its fake",
 }
 
 

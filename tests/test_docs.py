@@ -133,3 +133,34 @@ def test_relative_links_resolve(page: str) -> None:
         if re.match(r"[a-z]+:", target):
             continue
         assert (source.parent / target).exists(), f"{page} links to {target}, which does not exist"
+
+
+def test_the_hook_reference_in_plugins_md_is_generated_from_the_hookspecs() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gen_hookspecs_doc.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = (root / "docs" / "plugins.md").read_text()
+    from unillm import hookspecs
+
+    for name in ("unillm_register_backends", "unillm_guide_entries", "unillm_inspect_model"):
+        assert callable(getattr(hookspecs, name))
+        assert f"### `{name}(" in text
+
+
+def test_every_plugin_here_has_a_page_linked_from_plugins_md() -> None:
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "plugins.md").read_text()
+    for plugin in sorted((root / "plugins").iterdir()):
+        if not (plugin / "pyproject.toml").is_file() or plugin.name == "unillm-reverse":
+            continue
+        page = f"plugins/{plugin.name.removeprefix('unillm-')}.md"
+        assert (root / "docs" / page).is_file(), f"{plugin.name} has no docs/{page}"
+        assert f"]({page})" in text, f"docs/plugins.md does not link {page}"

@@ -375,6 +375,8 @@ class Capabilities:
     stream: bool = True
     chat: bool = True
     token_prompts: bool = True
+    # chunks carry the token ids they decode (False: a remote server that streams text only)
+    token_ids: bool = True
     batching: bool = False
     lora: bool = False
     embeddings: bool = False

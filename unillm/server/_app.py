@@ -106,7 +106,7 @@ def _add_routes(app: FastAPI, state: State) -> None:
     async def models() -> JSONResponse:
         data = [
             {"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm",
-             "backend": s.backend or s.spec.engine.backend, "loaded": s.loaded}
+             "backend": s.backend or s.spec.engine.backend, "loaded": s.loaded, **_served(s.engine)}
             for s in pool.slots.values()
         ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
@@ -268,3 +268,11 @@ def _log_access(scope: dict[str, Any], status: int, r: RequestRecord, total: flo
         r.completion_tokens if r.completion_tokens is not None else "-", ttft, total,
         f" finish={r.finish}" if r.finish else "",
     )  # fmt: skip
+
+
+def _served(engine: Any) -> dict[str, Any]:
+    """What a loaded model's engine honours, for clients that adapt (vLLM's ``max_model_len``, and
+    the sampling parameters its backend takes: anything else is a 400)."""
+    if engine is None or not engine.loaded:
+        return {}
+    return {"max_model_len": engine.context_length, "sampling": sorted(engine.capabilities.sampling)}

@@ -89,6 +89,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             "message": {"role": "assistant", "content": done.text},
             "logprobs": _chat_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
+            "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
         }
         return _whole(cid, "chat.completion", created, slot.alias, choice, done.usage)
     head, last = _framing(cid, "chat.completion.chunk", created, slot.alias, body, '"delta":{}')
@@ -131,6 +132,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             "text": done.text,
             "logprobs": _completion_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
+            "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
         }
         return _whole(cid, "text_completion", created, slot.alias, choice, done.usage)
     head, last = _framing(cid, "text_completion", created, slot.alias, body, '"text":""')
@@ -165,7 +167,9 @@ def _framing(cid: str, obj: str, created: int, alias: str, body: Any, empty: str
 
     def last(chunk: Chunk) -> str:
         reason = _finish(chunk.finish_reason)
-        out = f'data: {head}{empty},"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'
+        stop = dumps(chunk.stop_sequence)  # vLLM's stop_reason: the stop string that ended it
+        out = f'data: {head}{empty},"logprobs":null,"finish_reason":"{reason}",'
+        out += f'"stop_reason":{stop}}}]}}\n\n'
         if usage_too:
             out += f'data: {base},"choices":[],"usage":{dumps(usage_json(chunk.usage))}}}\n\n'
         return out

@@ -101,6 +101,10 @@ class Conformance:
         assert "".join(c.text for c in chunks) == full.text
         assert tuple(i for c in chunks for i in c.token_ids) == full.token_ids
         assert full.finish_reason == chunks[-1].finish_reason
+        if unillm_engine.capabilities.token_ids:
+            assert full.token_ids, "capabilities.token_ids is True but no chunk carried token ids"
+        else:
+            assert not full.token_ids, "capabilities.token_ids is False but chunks carried token ids"
 
     def test_only_the_last_chunk_finishes_with_usage_and_timings(self, unillm_engine: AnyEngine) -> None:
         chunks = list(unillm_engine.stream(PROMPT, GREEDY))
@@ -112,8 +116,11 @@ class Conformance:
         assert 0 <= t.ttft_s <= t.total_s, t
         assert t.prefill_s >= 0 and t.decode_s >= 0, t
         assert last.usage.prompt_tokens > 0, last.usage
-        n = sum(len(c.token_ids) for c in chunks)
-        assert last.usage.completion_tokens == n <= GREEDY.max_tokens, (last.usage, n)
+        if unillm_engine.capabilities.token_ids:
+            n = sum(len(c.token_ids) for c in chunks)
+            assert last.usage.completion_tokens == n <= GREEDY.max_tokens, (last.usage, n)
+        else:  # text only: the count is the engine's (a server's usage, or counted client-side)
+            assert 0 < last.usage.completion_tokens <= GREEDY.max_tokens, last.usage
 
     def test_max_tokens_is_honoured_with_finish_reason_length(self, unillm_engine: AnyEngine) -> None:
         for k in (1, 3):
@@ -143,8 +150,12 @@ class Conformance:
     def test_chat_renders_the_template_and_answers(self, unillm_engine: AnyEngine) -> None:
         if not unillm_engine.capabilities.chat:
             pytest.skip("capabilities.chat is False")
-        rendered = unillm_engine.render_chat(HELLO)
-        assert isinstance(rendered, str) and "Why is the sky blue?" in rendered
+        try:
+            rendered = unillm_engine.render_chat(HELLO)
+        except ConfigError:
+            pass  # no template here (a server applies its own): chat() must still answer
+        else:
+            assert isinstance(rendered, str) and "Why is the sky blue?" in rendered
         out = unillm_engine.chat(HELLO, GREEDY)
         assert out.usage.prompt_tokens > 0 and out.finish_reason in ("stop", "length")
         joined = "".join(c.text for c in unillm_engine.stream_chat(HELLO, GREEDY))

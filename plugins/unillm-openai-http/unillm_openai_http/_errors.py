@@ -6,6 +6,7 @@
     AuthenticationFailed (ConfigError)      401/403: the API key is missing or wrong
     ServedModelNotFound (ModelNotFound)     404, or the model is not in /v1/models
     ServerRefused (ConfigError)             400/413/422: the server refused the request itself
+    PromptTooLong (ServerRefused and ContextLengthExceeded)  400 saying the prompt overflows
     ServerBusy (GenerationError)            429/503, still, after the bounded retries
     ServerFailed (GenerationError)          5xx, or the stream broke after it started
     TokenizerUnavailable (NotImplementedError)  the server has no tokenize/detokenize route
@@ -16,11 +17,13 @@ apart without parsing messages; ``catch UnillmError`` still catches every one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from unillm import (
     BackendUnavailable,
     ConfigError,
+    ContextLengthExceeded,
     GenerationError,
     ModelLoadError,
     ModelNotFound,
@@ -29,6 +32,7 @@ from unillm import (
 
 __all__ = [
     "AuthenticationFailed",
+    "PromptTooLong",
     "ServedModelNotFound",
     "ServerBusy",
     "ServerFailed",
@@ -122,12 +126,36 @@ class TokenizerUnavailable(UnillmError, NotImplementedError):
         )
 
 
-def http_error(url: str, status: int, detail: str, model: str, attempts: int = 1) -> UnillmError:
+# OpenAI's (and unillm serve's) error code, and the words vLLM, llama.cpp and SGLang servers use
+_CONTEXT_CODE = "context_length_exceeded"
+_CONTEXT_WORDS = re.compile(r"context (length|window)|maximum context|exceeds? the (model's )?context", re.I)
+
+
+class PromptTooLong(ServerRefused, ContextLengthExceeded):
+    """The server refused the prompt as longer than its context window (HTTP 400): caught as
+    ``ContextLengthExceeded`` like the in-process engines' error. The token counts are the
+    server's, in its message; the fields are None here."""
+
+    def __init__(self, url: str, status: int, detail: str) -> None:
+        self.url, self.status = url, status
+        Exception.__init__(
+            self, f"the server refused the prompt as too long (HTTP {status} from {url}): {detail}"
+        )
+        self.prompt_tokens = None  # type: ignore[assignment]
+        self.context_length = None  # type: ignore[assignment]
+        self.max_tokens = None
+
+
+def http_error(
+    url: str, status: int, detail: str, model: str, attempts: int = 1, code: str | None = None
+) -> UnillmError:
     """The unillm error for an HTTP error answer ``status`` from ``url``."""
     if status in (401, 403):
         return AuthenticationFailed(url, status, detail)
     if status == 404:
         return ServedModelNotFound(url, model, status=status)
+    if status == 400 and (code == _CONTEXT_CODE or _CONTEXT_WORDS.search(detail)):
+        return PromptTooLong(url, status, detail)
     if status in (400, 413, 422):
         return ServerRefused(url, status, detail)
     if status in (429, 503):

@@ -35,6 +35,7 @@ class Event:
     text: str | None = None  # None: an event without a content delta (the chat role, usage)
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it, where the server says (vLLM's field)
     usage: Mapping[str, Any] | None = None
     error: str | None = None
 
@@ -160,7 +161,7 @@ class Wire:
         status = response.status_code
         if status in _RETRY_STATUS:
             return ServerBusy(self.url(path), status, detail, attempts)
-        return http_error(self.url(path), status, detail, self.model, attempts)
+        return http_error(self.url(path), status, detail, self.model, attempts, code=code_of(response))
 
 
 def events(response: httpx.Response, url: str) -> Iterator[Event]:
@@ -222,10 +223,12 @@ def parse_event(line: str, url: str) -> Event | None:
     else:
         content = choice.get("text")
     ids = choice.get("token_ids")  # vLLM sends them when asked (return_token_ids)
+    stop_reason = choice.get("stop_reason")  # vLLM and unillm serve: a stop string, or a token id
     return Event(
         text=content if isinstance(content, str) else None,
         token_ids=tuple(ids) if isinstance(ids, list) else (),
         finish_reason=choice.get("finish_reason"),
+        stop_reason=stop_reason if isinstance(stop_reason, str) else None,
         usage=usage,
     )
 
@@ -248,6 +251,16 @@ def detail_of(response: httpx.Response) -> str:
         if body.get("message"):
             return str(body["message"])[:500]
     return str(body)[:300]
+
+
+def code_of(response: httpx.Response) -> str | None:
+    """OpenAI's ``error.code`` of an error answer, where it has one."""
+    try:
+        err = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _why(exc: BaseException) -> str:

@@ -96,6 +96,7 @@ class _Call:
     prompt: str | list[int] | None = None  # what to count client-side if the server sends no usage
     usage: Mapping[str, Any] | None = None
     finish: str | None = None
+    stop_reason: str | None = None
     events: int = 0
     settled: bool = False
 
@@ -108,7 +109,10 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
     formats: ClassVar[frozenset[str]] = frozenset({"openai-http"})
     # a server schedules its own requests, so many callers stream at once (batching=True keeps
     # the base class from serializing them, and astream native on the caller's loop)
-    capabilities: ClassVar[Capabilities] = Capabilities(sampling=OPENAI, batching=True, token_prompts=False)
+    # servers stream text; the ids are not known here (the usage count is the server's)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=OPENAI, batching=True, token_prompts=False, token_ids=False
+    )
     Options: ClassVar[type[BaseModel]] = OpenAIHTTPOptions
     install_hint: ClassVar[str | None] = "pip install unillm-openai-http"
 
@@ -181,7 +185,11 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         self._usage_source: Literal["server", "client"] | None = None
         # what this server honours: known only now, so set on the instance (the class keeps the
         # OpenAI baseline, which is what the selector and docs read)
-        caps = replace(self.capabilities, sampling=SAMPLING[kind], token_prompts=kind in TOKEN_PROMPTS)
+        sampling = SAMPLING[kind]
+        listed = entry.get("sampling")  # unillm serve lists what its backend takes
+        if isinstance(listed, list):
+            sampling = sampling & frozenset(str(n) for n in listed)
+        caps = replace(self.capabilities, sampling=sampling, token_prompts=kind in TOKEN_PROMPTS)
         self.capabilities = caps  # type: ignore[misc]
         ctx = entry.get("max_model_len")
         self.context_length = ctx if isinstance(ctx, int) else None
@@ -283,6 +291,7 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
             call.usage = event.usage
         if event.finish_reason is not None:
             call.finish = event.finish_reason
+            call.stop_reason = event.stop_reason
         if event.text is None or (event.text == "" and event.finish_reason is not None):
             return None  # the closing event adds no token
         call.events += max(1, len(event.token_ids))
@@ -294,6 +303,7 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
             return
         call.settled = True
         req.finish_reason = "length" if call.finish == "length" else "stop"
+        req.stop_sequence = call.stop_reason  # the server matched it, so it never reached us
         usage = call.usage
         if usage is not None and isinstance(usage.get("completion_tokens"), int):
             req.prompt_tokens = int(usage.get("prompt_tokens") or 0)
