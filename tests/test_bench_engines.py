@@ -59,20 +59,8 @@ def test_side_by_side_on_llama_cpp_and_mlx(tiny: Any, tmp_path: Path) -> None:
 
     backends = ["llama.cpp", *(["mlx"] if HAS_MLX else [])]
     out = tmp_path / "out"
-    res = CliRunner().invoke(
-        app,
-        [
-            "bench",
-            str(tiny.root),
-            "--backends",
-            ",".join(backends),
-            *WORKLOAD,
-            "--context",
-            "512",
-            "--out",
-            str(out),
-        ],
-    )
+    args = ["bench", str(tiny.root), "--backends", ",".join(backends), *WORKLOAD, "--context", "512"]
+    res = CliRunner().invoke(app, [*args, "--interleave", "--out", str(out)])
     assert res.exit_code == 0, res.output
     files = sorted(out.glob("bench-*.json"))
     assert len(files) == len(backends)
@@ -93,6 +81,13 @@ def test_side_by_side_on_llama_cpp_and_mlx(tiny: Any, tmp_path: Path) -> None:
         assert mlx["weights"]["format"] != "gguf" and mlx["weights"]["files"] == ["model.safetensors"]
         assert by_engine["mlx"]["levels"][1]["peak_in_flight"] == 2  # a batching engine gets both
     assert "| llama.cpp " in res.output and "| c=2 |" in res.output
+    if HAS_MLX:  # interleaved: each level on each engine in turn
+        starts = sorted(
+            (lv["started"], r["metadata"]["engine"]["name"], lv["value"])
+            for r in results
+            for lv in r["levels"]
+        )
+        assert [(e, v) for _, e, v in starts] == [("llama.cpp", 1), ("mlx", 1), ("llama.cpp", 2), ("mlx", 2)]
     for png in out.glob("*.png"):
         assert png.stat().st_size > 5000
     assert len(list(out.glob("*.png"))) == 2

@@ -130,6 +130,10 @@ def run_cmd(
     plots: Annotated[
         bool, typer.Option("--plots/--no-plots", help="Draw PNG plots (needs matplotlib).")
     ] = True,
+    interleave: Annotated[
+        bool,
+        typer.Option(help="Load every backend; run each level on each in turn (fairer on a shared machine)."),
+    ] = False,
 ) -> None:
     """Run a benchmark; one JSON result per engine under --out, the table on stdout."""
     from unillm.bench._api import bench_backends, bench_url
@@ -183,6 +187,7 @@ def run_cmd(
                     context_length=context,
                     price_per_hour=price_per_hour,
                     progress=update,
+                    interleave=interleave,
                 )
         finally:
             if bar is not None:

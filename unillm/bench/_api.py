@@ -75,11 +75,27 @@ def bench_engine(
     weights are (default: the engine's ``config.model``), for the metadata's hash.
     """
     wl = load_workload(workload)
-    _check_context(wl, engine.context_length, engine.name)
-    target = EngineTarget(engine, wl)
-    prompts = Prompts(wl, engine, vocab_size=engine.vocab_size)
-    bench = Bench(target, wl, prompts, progress=progress)
+    bench = _engine_bench(engine, wl, progress)
     levels, interrupted = _run(bench)
+    return _engine_result(engine, bench, levels, interrupted, model_name, model_path, price_per_hour)
+
+
+def _engine_bench(engine: Engine[Any], wl: Workload, progress: Progress | None) -> Bench:
+    _check_context(wl, engine.context_length, engine.name)
+    prompts = Prompts(wl, engine, vocab_size=engine.vocab_size)
+    return Bench(EngineTarget(engine, wl), wl, prompts, progress=progress)
+
+
+def _engine_result(
+    engine: Engine[Any],
+    bench: Bench,
+    levels: list[Level],
+    interrupted: bool,
+    model_name: str | None,
+    model_path: str | Path | None,
+    price_per_hour: float | None,
+) -> dict[str, Any]:
+    wl, target = bench.workload, bench.target
     facts = engine.facts
     path = Path(model_path or engine.config.model)
     info = facts.model
@@ -95,7 +111,7 @@ def bench_engine(
         workload=wl,
         levels=levels,
         output_enforcement=target.output_enforcement,
-        prompt_lengths_exact=prompts.exact,
+        prompt_lengths_exact=bench.prompts.exact,
         plans=_plans(info, facts.hardware, levels, engine.context_length),
         partial=interrupted,
         price_per_hour=price_per_hour,
@@ -149,14 +165,19 @@ def bench_backends(
     model_name: str | None = None,
     price_per_hour: float | None = None,
     progress: Progress | None = None,
+    interleave: bool = False,
 ) -> list[dict[str, Any]]:
-    """The same workload on each of ``backends``, one after another, each loading ``model`` in its
-    own format (``model_path_for``) and closed before the next loads; a result per backend. A
-    backend of None is the one ``auto_engine`` selects."""
+    """The same workload on each of ``backends``, each loading ``model`` in its own format
+    (``model_path_for``); a result per backend. A backend of None is the one ``auto_engine``
+    selects. By default one backend runs all its levels, is closed, then the next loads;
+    ``interleave`` loads them all and runs each level on each backend in turn, so that a shared
+    or throttling machine's drift falls on every backend alike (and needs the memory of all)."""
     from unillm._auto import auto_engine
 
     wl = load_workload(workload)
     name = model_name or _name(Path(model))
+    if interleave:
+        return _interleaved(model, backends, wl, name, context_length, price_per_hour, progress)
     out = []
     for backend in backends:
         path = model_path_for(model, backend) if backend is not None else Path(model)
@@ -179,6 +200,47 @@ def bench_backends(
         if out[-1]["partial"]:
             break  # interrupted: the backends not run yet stay unrun
     return out
+
+
+def _interleaved(
+    model: str | Path,
+    backends: Sequence[str | None],
+    wl: Workload,
+    name: str,
+    context_length: int | None,
+    price_per_hour: float | None,
+    progress: Progress | None,
+) -> list[dict[str, Any]]:
+    from unillm._auto import auto_engine
+
+    engines: list[tuple[Engine[Any], Path]] = []
+    try:
+        for backend in backends:
+            path = model_path_for(model, backend) if backend is not None else Path(model)
+            engine = auto_engine(path, backend=backend, context_length=context_length)
+            engines.append((engine, model_path_for(model, engine.name)))
+        benches = [_engine_bench(engine, wl, progress) for engine, _ in engines]
+
+        async def main() -> None:
+            for kind, value in wl.levels():
+                for bench in benches:
+                    await bench.run_level(kind, value)
+
+        interrupted = False
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            interrupted = True
+        return [
+            _engine_result(
+                engine, bench, bench.interrupted() if interrupted else bench.levels, interrupted,
+                name, path, price_per_hour,
+            )
+            for (engine, path), bench in zip(engines, benches, strict=True)
+        ]  # fmt: skip
+    finally:
+        for engine, _ in engines:
+            engine.close()
 
 
 def bench_url(

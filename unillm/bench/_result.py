@@ -95,6 +95,7 @@ def build_result(
                 "kind": level.kind,
                 "value": level.value,
                 "partial": level.partial,
+                "started": level.started,
                 "peak_in_flight": level.peak_in_flight,
                 "summary": summary,
                 "memory": {

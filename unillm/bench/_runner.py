@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -75,6 +76,7 @@ class Level:
     kv_peak_used_tokens: int | None = None
     kv_peak_usage: float | None = None  # 0..1, as sampled
     partial: bool = False
+    started: float | None = None  # wall clock (time.time()) when its measured requests began
 
     def __repr__(self) -> str:  # short: asyncio may repr a task's result, and records run long
         return f"<Level {self.label}: {len(self.records)} requests{' (partial)' if self.partial else ''}>"
@@ -104,13 +106,18 @@ class Bench:
     async def run(self) -> list[Level]:
         """Every level in turn; returns them (also kept in ``levels``)."""
         for kind, value in self.workload.levels():
-            await self._warmup(kind, value)
-            level = Level(kind, value)
-            self.current = level
-            await self._measure(level)
-            self.levels.append(level)
-            self.current = None
+            await self.run_level(kind, value)
         return self.levels
+
+    async def run_level(self, kind: str, value: float) -> Level:
+        """One level: its warm-up, then its measured requests (appended to ``levels``)."""
+        await self._warmup(kind, value)
+        level = Level(kind, value)
+        self.current = level
+        await self._measure(level)
+        self.levels.append(level)
+        self.current = None
+        return level
 
     def interrupted(self) -> list[Level]:
         """The levels measured so far, the one in progress marked partial (its unfinished
@@ -152,6 +159,7 @@ class Bench:
 
     async def _measure(self, level: Level) -> None:
         level.kv_before = await self.target.kv()
+        level.started = time.time()
         sampler = asyncio.create_task(self._sample(level))
         t0 = perf_counter()
         try:
