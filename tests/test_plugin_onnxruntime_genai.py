@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
-import os
 import re
 import shutil
 from pathlib import Path
@@ -16,9 +15,18 @@ import pytest
 
 from unillm.testing import convert_tiny, tiny_model
 
-from ._plugin_util import ROOT, clean_env, fake_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run
 
 PLUGIN = ROOT / "plugins" / "unillm-onnxruntime-genai"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin installed by pip from its directory (its code and real .dist-info, as CI and a
+    user get it); the tests below run that copy, never the source tree."""
+    return pip_install(PLUGIN, tmp_path_factory.mktemp("site"))
+
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("onnxruntime_genai") is None, reason="needs onnxruntime-genai"
 )
@@ -56,8 +64,8 @@ def test_the_plugin_imports_nothing_private() -> None:
     assert private == [], f"the plugin imports private modules: {private}"
 
 
-def test_onnxruntime_genai_plugin_tests_pass(env: dict[str, str], onnx_dir: Path) -> None:
-    plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
+def test_onnxruntime_genai_plugin_tests_pass(site: Path, env: dict[str, str], onnx_dir: Path) -> None:
+    plugin_env = {**env, "PYTHONPATH": str(site)}  # the installed copy
     out = run(
         ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
         plugin_env,
@@ -85,13 +93,12 @@ with unillm.auto_engine(sys.argv[1]) as e:
 
 
 def test_it_is_found_through_its_entry_point_and_unillm_backend_picks_it(
-    env: dict[str, str], onnx_dir: Path, tmp_path: Path
+    site: Path, env: dict[str, str], onnx_dir: Path, tmp_path: Path
 ) -> None:
     # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
-    fake_install(tmp_path, "unillm-onnxruntime-genai", "onnxruntime-genai", "unillm_onnxruntime_genai")
     plugin_env = {
         **env,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)]),
+        "PYTHONPATH": str(site),
         "UNILLM_BACKEND": "onnxruntime-genai",  # the application's code is the same for every engine
     }
     out = run(["-c", APP, str(onnx_dir)], plugin_env)
@@ -112,10 +119,9 @@ with unillm.auto_engine(sys.argv[1]) as e:
 
 
 def test_auto_engine_picks_it_for_a_genai_model_directory(
-    env: dict[str, str], onnx_dir: Path, tmp_path: Path
+    site: Path, env: dict[str, str], onnx_dir: Path, tmp_path: Path
 ) -> None:
-    fake_install(tmp_path, "unillm-onnxruntime-genai", "onnxruntime-genai", "unillm_onnxruntime_genai")
-    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    plugin_env = {**env, "PYTHONPATH": str(site)}
     out = run(["-c", AUTO, str(onnx_dir)], plugin_env)
     # its unillm_inspect_model names the directory's format, which only it reads
     assert "picked onnxruntime-genai by auto 5 length" in out, out
@@ -125,14 +131,13 @@ def test_auto_engine_picks_it_for_a_genai_model_directory(
 
 
 def test_auto_engine_picks_it_where_the_directory_also_holds_config_json(
-    env: dict[str, str], onnx_dir: Path, tmp_path: Path
+    site: Path, env: dict[str, str], onnx_dir: Path, tmp_path: Path
 ) -> None:
     # Hugging Face's ONNX repos ship the HF config.json beside genai_config.json: the plugin's
     # inspection still names it, before unillm's would read it as HF weights (none there)
     model = tmp_path / "model"
     shutil.copytree(onnx_dir, model)
     shutil.copy(tiny_model("small", cache_dir=env["UNILLM_CACHE"]).hf_dir / "config.json", model)
-    fake_install(tmp_path, "unillm-onnxruntime-genai", "onnxruntime-genai", "unillm_onnxruntime_genai")
-    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    plugin_env = {**env, "PYTHONPATH": str(site)}
     out = run(["-c", AUTO, str(model)], plugin_env)
     assert "picked onnxruntime-genai by auto 5 length" in out, out

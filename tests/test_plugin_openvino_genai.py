@@ -6,15 +6,23 @@ to unillm."""
 from __future__ import annotations
 
 import ast
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from ._plugin_util import ROOT, clean_env, fake_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run
 
 PLUGIN = ROOT / "plugins" / "unillm-openvino-genai"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin installed by pip from its directory (its code and real .dist-info, as CI and a
+    user get it); the tests below run that copy, never the source tree."""
+    return pip_install(PLUGIN, tmp_path_factory.mktemp("site"))
+
+
 pytestmark = pytest.mark.skipif(
     not all(__import__("importlib").util.find_spec(m) for m in ("openvino_genai", "llama_cpp")),
     reason="needs openvino-genai and llama-cpp-python",
@@ -45,8 +53,8 @@ def test_the_plugin_imports_nothing_private() -> None:
     assert private == [], f"the plugin imports private modules: {private}"
 
 
-def test_openvino_genai_plugin_tests_pass(env: dict[str, str]) -> None:
-    plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
+def test_openvino_genai_plugin_tests_pass(site: Path, env: dict[str, str]) -> None:
+    plugin_env = {**env, "PYTHONPATH": str(site)}  # the installed copy
     out = run(
         ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
         plugin_env,
@@ -74,11 +82,10 @@ with unillm.auto_engine(str(ir)) as e:
 
 
 def test_it_is_found_through_its_entry_point_and_auto_engine_picks_it(
-    env: dict[str, str], tmp_path: Path
+    site: Path, env: dict[str, str], tmp_path: Path
 ) -> None:
     # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
-    fake_install(tmp_path, "unillm-openvino-genai", "openvino-genai", "unillm_openvino_genai")
-    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    plugin_env = {**env, "PYTHONPATH": str(site)}
     out = run(["-c", AUTO], plugin_env)
     assert "backend openvino-genai from openvino-genai" in out, out
     assert "backend llama.cpp from builtin" in out  # the plugin sits beside the built-ins
