@@ -86,8 +86,8 @@ def to_api_error(exc: BaseException, paths: dict[str, str] | None = None) -> Api
         )  # fmt: skip
     if isinstance(exc, EngineClosed):
         return ApiError(503, msg, type_="server_error", headers={"Retry-After": "1"})
-    if isinstance(exc, ConfigError):
-        return ApiError(400, msg)
+    if isinstance(exc, ConfigError):  # a validation that named one field says which
+        return ApiError(400, msg, param=exc.fields[0] if len(exc.fields) == 1 else None)
     log.error("request failed", exc_info=exc)
     return ApiError(500, "the server failed to answer this request; see its log", type_="server_error")
 
