@@ -48,3 +48,23 @@ def test_doctor_says_when_no_plugin_is_installed(tmp_path: Path) -> None:
     env = {**clean_env(tmp_path / "cache"), "COLUMNS": "200"}
     env.pop("PYTHONPATH", None)
     assert "plugins  none installed" in run(["-m", "unillm", "doctor"], env, cwd=Path(os.sep))
+
+
+def test_backends_show_the_capability_matrix(site: Path, tmp_path: Path) -> None:
+    out = json.loads(run(["-m", "unillm", "backends", "--json"], _env(site, tmp_path)))
+    import unillm
+
+    for name, row in out["backends"].items():  # the JSON is each class's declaration, a plugin's too
+        declared = unillm.backends()[name].cls.capabilities if name in unillm.backends() else None
+        caps = row["capabilities"]
+        assert isinstance(caps["batching"], bool) and isinstance(caps["sampling"], list)
+        if declared is not None:
+            assert set(caps["sampling"]) == set(declared.sampling), name
+    assert "reverse" in out["backends"]
+    text = run(["-m", "unillm", "backends"], {**_env(site, tmp_path), "COLUMNS": "220"})
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if "structured" in line)  # the matrix's header
+    assert "logprobs" in lines[at] and "batching" in lines[at]
+    vllm_row = next((line for line in lines[at:] if line.startswith("│ vllm ")), None)
+    if vllm_row is not None:  # vLLM declares structured output, logprobs and batching
+        assert vllm_row.count("yes") >= 3, vllm_row

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unillm._cli_common import JsonOpt, _asdict, _console, _dump, _esc
 
@@ -25,7 +25,12 @@ def backends_cmd(as_json: JsonOpt = False) -> None:
         rows = {}
         for name, info in reg.backends().items():
             a = info.availability()
-            rows[name] = {"source": info.source, "formats": sorted(info.cls.formats), **_asdict(a)}
+            rows[name] = {
+                "source": info.source,
+                "formats": sorted(info.cls.formats),
+                **_asdict(a),
+                "capabilities": _capabilities_json(info.cls.capabilities),
+            }
         _dump({"backends": rows, "plugin_failures": reg.failures})
         return
     table = Table("backend", "source", "formats", "available", "detail")
@@ -43,6 +48,46 @@ def backends_cmd(as_json: JsonOpt = False) -> None:
     console.print(table)
     for f in reg.failures:
         console.print(f"[yellow]plugin {_esc(repr(f.plugin))} skipped:[/] {_esc(f.reason)}")
+    _capabilities_table(reg)
+
+
+def _capabilities_json(caps: Any) -> dict[str, Any]:
+    """A ``Capabilities`` as JSON: its sets as sorted lists."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(caps):
+        value = getattr(caps, f.name)
+        out[f.name] = sorted(value) if isinstance(value, frozenset) else value
+    return out
+
+
+# what every backend honours (the base class applies them): not worth a column
+_EVERYWHERE = frozenset({"max_tokens", "stop", "temperature"})
+
+
+def _capabilities_table(reg: Registry) -> None:
+    """What each backend can do, as its class declares it (what the selector reads): sampling
+    parameters beyond the common ones, structured output, logprobs, batching, LoRA."""
+    from rich.table import Table
+
+    def mark(ok: bool) -> str:
+        return "[green]yes[/]" if ok else "-"
+
+    table = Table("backend", "structured", "logprobs", "batching", "lora", "token prompts", "more sampling")
+    for info in reg.backends().values():
+        c = info.cls.capabilities
+        more = ", ".join(sorted(c.sampling - _EVERYWHERE - {"response_format", "logprobs"}))
+        table.add_row(
+            _esc(info.name),
+            mark("response_format" in c.sampling),
+            mark("logprobs" in c.sampling),
+            mark(c.batching),
+            mark(c.lora),
+            mark(c.token_prompts),
+            _esc(more or "-"),
+        )
+    _console().print(table)
 
 
 def doctor(as_json: JsonOpt = False) -> None:
