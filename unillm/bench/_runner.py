@@ -77,6 +77,7 @@ class Level:
     kv_peak_usage: float | None = None  # 0..1, as sampled
     partial: bool = False
     started: float | None = None  # wall clock (time.time()) when its measured requests began
+    done: int = 0  # requests ended
 
     def __repr__(self) -> str:  # short: asyncio may repr a task's result, and records run long
         return f"<Level {self.label}: {len(self.records)} requests{' (partial)' if self.partial else ''}>"
@@ -141,10 +142,9 @@ class Bench:
             self._in_flight -= 1
         if rec.end is None and rec.error is None:
             rec.end = perf_counter() - t0
-        if self.progress is not None:
-            self.progress(
-                level.label, sum(1 for r in level.records if r.end is not None), self.workload.requests
-            )
+        level.done += 1
+        if self.progress is not None and level is self.current:  # warm-ups are not shown
+            self.progress(level.label, level.done, self.workload.requests)
 
     async def _warmup(self, kind: str, value: float) -> None:
         n = self.workload.warmup
