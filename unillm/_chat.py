@@ -34,7 +34,7 @@ messages, which is the caller's to fix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ from unillm._chat_bounds import (
 )
 from unillm._chat_sandbox import _environment
 from unillm._errors import ModelFormatError, UnillmError
+from unillm._tools import InvalidTools
 from unillm._types import ChatMessage
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ __all__ = [
     "compile_error",
     "compile_error_types",
     "render_chat_template",
+    "template_message",
+    "template_takes_tools",
 ]
 
 
@@ -116,17 +119,49 @@ def check_chat_template(template: str, *, source: str | None = None) -> None:
         raise compile_error(compiled, source) from compiled
 
 
+@lru_cache(maxsize=16)
+def template_takes_tools(template: str) -> bool:
+    """Whether ``template`` reads a ``tools`` variable (so it can render the tools a chat offers);
+    False for one that does not compile (rendering says why)."""
+    from jinja2 import meta
+
+    if len(template) > MAX_TEMPLATE_CHARS:
+        return False
+    try:
+        return "tools" in meta.find_undeclared_variables(_environment().parse(template))
+    except Exception:  # broken or hostile: the render reports it
+        return False
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as templates read it: OpenAI's shape, ``tool_calls`` and ``tool_call_id`` only
+    where the turn has them (templates test ``message.tool_calls is defined``), a call's
+    arguments as a dict (templates write them with ``tojson``)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool = True,
     source: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     **special_tokens: Any,
 ) -> str:
     """Render ``messages`` with a Jinja chat template in a bounded sandbox.
 
-    ``source`` names where the template came from (the model file) in error messages. Raises
+    ``source`` names where the template came from (the model file) in error messages. ``tools``
+    (OpenAI's shape) are handed to the template as its ``tools`` variable; a template that does
+    not read one cannot show the model its tools, which is ``InvalidTools``. Raises
     ``ModelFormatError`` when the template does not compile, tries an unsafe operation or exceeds
     a bound (time, size, recursion), and ``ConfigError`` when it calls ``raise_exception``.
     """
@@ -138,10 +173,19 @@ def render_chat_template(
         raise compile_error(compiled, source) from compiled
     where = f" of {source!r}" if source else ""
     variables = {
-        "messages": [{"role": m.role, "content": m.content} for m in messages],
+        "messages": [template_message(m) for m in messages],
         "add_generation_prompt": add_generation_prompt,
         **special_tokens,
     }
+    if tools:
+        if not template_takes_tools(template):
+            raise InvalidTools(
+                "tools",
+                f"the chat template{where} does not render tools (it reads no 'tools' variable), so "
+                "the model would never see them; pass a chat_template that does in the engine config "
+                "(docs/structured.md, Tool calling)",
+            )
+        variables["tools"] = [dict(t) for t in tools]
     token = _BUDGET.set(_Budget(deadline=monotonic() + RENDER_DEADLINE_S))
     try:
         pieces: list[str] = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from unillm._checks import check_text, check_token_ids
+from unillm._engine_chat import ChatMethods
 from unillm._errors import (
     ConfigError,
     GenerationError,
@@ -33,7 +34,6 @@ from unillm._run import FORMAT_NEVER_DROPPED, RawPiece, Request, Run, afold, fol
 from unillm._types import (
     Availability,
     Capabilities,
-    ChatMessage,
     Chunk,
     Completion,
     Cost,
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "NoOptions", "Request", "UnillmWarning", "check_text", "check_token_ids"]
 
 Prompt = str | Sequence[int]
-Messages = Sequence[ChatMessage | Mapping[str, Any]]
 P = TypeVar("P")
 
 
@@ -66,7 +65,7 @@ _MIN_CONTEXT = 1024
 _BASE_HANDLED = frozenset({"max_tokens", "stop"})
 
 
-class Engine(Lifetime, Generic[P]):
+class Engine(ChatMethods, Generic[P]):
     """Base class of every backend. Subclass it, fill the class data, write ``_stream``.
 
     Class data a backend declares:
@@ -293,49 +292,6 @@ class Engine(Lifetime, Generic[P]):
         sp = self._params(params, overrides)
         return fold(self.stream(prompt, sp), sp)
 
-    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
-        """The prompt text ``messages`` become under the chat template (sandboxed Jinja)."""
-        from unillm._chat import render_chat_template
-
-        if isinstance(messages, (str, bytes, Mapping)) or not hasattr(messages, "__iter__"):
-            raise ConfigError(
-                f"chat() takes a list of messages, got {type(messages).__name__}; pass "
-                "[{'role': 'user', 'content': '...'}]"
-            )
-        msgs = [ChatMessage.coerce(m) for m in messages]
-        if not msgs:
-            raise ConfigError("chat() needs at least one message")
-        for m in msgs:
-            check_text(m.content, "chat content must be")
-        self._enter()
-        try:
-            template = self.config.chat_template or self._chat_template()
-            special = self._special_tokens()
-        finally:
-            self._leave()
-        if template is None:
-            raise ConfigError(
-                f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
-                "template) in the engine config, or use generate() with a plain prompt"
-            )
-        source = "the engine config's chat_template" if self.config.chat_template else self.config.model
-        return render_chat_template(
-            template, msgs, add_generation_prompt=add_generation_prompt, source=source, **special
-        )
-
-    def stream_chat(
-        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
-    ) -> Iterator[Chunk]:
-        """Stream the assistant's reply to ``messages``."""
-        return self.stream(self.render_chat(messages), params, **overrides)
-
-    def chat(
-        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
-    ) -> Completion:
-        """The assistant's whole reply to ``messages``."""
-        sp = self._params(params, overrides)
-        return fold(self.stream_chat(messages, sp), sp)
-
     # ---- async mirrors: native for a batching backend's _astream, else the sync path on a thread ----
 
     async def astream(
@@ -359,20 +315,6 @@ class Engine(Lifetime, Generic[P]):
         """Async ``generate``."""
         sp = self._params(params, overrides)
         return await afold(self.astream(prompt, sp), sp)
-
-    async def astream_chat(
-        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
-    ) -> AsyncIterator[Chunk]:
-        """Async ``stream_chat``."""
-        async for chunk in self.astream(self.render_chat(messages), params, **overrides):
-            yield chunk
-
-    async def achat(
-        self, messages: Messages, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
-    ) -> Completion:
-        """Async ``chat``."""
-        sp = self._params(params, overrides)
-        return await afold(self.astream_chat(messages, sp), sp)
 
     # ---- the shared machinery ----
 

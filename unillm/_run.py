@@ -185,6 +185,7 @@ def _completion(
         tuple(lps) if lps else None,
         last.stop_sequence,
         params.output_format if params is not None and params.response_format is not None else None,
+        last.tool_calls,
     )
 
 

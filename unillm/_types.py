@@ -8,7 +8,9 @@ nothing to create. No engine type (a tensor, an ``mx.array``) ever appears in a 
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -36,11 +38,13 @@ __all__ = [
     "SamplingParams",
     "Suitability",
     "Timings",
+    "ToolCall",
     "Usage",
     "normalize_name",
 ]
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+#: "tool_calls": the model called a tool (``Completion.tool_calls``); it stopped to let it run.
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 
 
 def normalize_name(name: str) -> str:
@@ -225,27 +229,78 @@ class EngineConfig(_Validated):
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call of a tool the model made: the tool's ``name``, its ``arguments`` parsed from the
+    JSON the model wrote, and an ``id`` (``call_<hex>``) a ``tool`` message answers by."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    @classmethod
+    def coerce(cls, call: Any, where: str) -> ToolCall:
+        """A ``ToolCall`` from itself or OpenAI's ``{"id", "type": "function", "function":
+        {"name", "arguments"}}`` (arguments as a dict or its JSON text)."""
+        if isinstance(call, ToolCall):
+            return call
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        args = fn.get("arguments", {}) if isinstance(fn, Mapping) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise ConfigError(
+                f"{where} must be a ToolCall or {{'function': {{'name': str, 'arguments': a JSON "
+                f"object}}}}, got {call!r:.200}"
+            )
+        call_id = call.get("id") if isinstance(call, Mapping) else None
+        return cls(name, args, call_id) if isinstance(call_id, str) else cls(name, args)
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One chat turn. Plain ``{"role": ..., "content": ...}`` dicts are accepted everywhere too."""
+    """One chat turn. Plain ``{"role": ..., "content": ...}`` dicts are accepted everywhere too.
+    An assistant turn may carry the ``tool_calls`` it made (its content may then be missing); a
+    ``tool`` turn answers one of them by ``tool_call_id``."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     @classmethod
     def coerce(cls, message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
         if isinstance(message, ChatMessage):
             return message
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+        if (
+            not isinstance(message, Mapping)
+            or "role" not in message
+            or ("content" not in message and not calls)
+        ):
             raise ConfigError(
                 f"a chat message needs 'role' and 'content', got {message!r}; "
                 "pass [{'role': 'user', 'content': '...'}]"
             )
-        role, content = message["role"], message["content"]
+        role, content = message["role"], message.get("content")
         if role not in ("system", "user", "assistant", "tool"):
             raise ConfigError(f"unknown chat role {role!r}; use 'system', 'user', 'assistant' or 'tool'")
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ConfigError(f"chat content must be a string, got {type(content).__name__}")
-        return cls(role, content)
+        if calls and role != "assistant":
+            raise ConfigError(f"only an assistant message carries tool_calls, not a {role!r} one")
+        if calls is not None and not isinstance(calls, (list, tuple)):
+            raise ConfigError(f"tool_calls must be a list, got {type(calls).__name__}")
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ConfigError(f"tool_call_id must be a string, got {type(call_id).__name__}")
+        parsed = tuple(ToolCall.coerce(c, f"tool_calls[{i}]") for i, c in enumerate(calls or ()))
+        return cls(role, content, parsed, call_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +350,7 @@ class Chunk:
     timings: Timings | None = None
     logprobs: tuple[float, ...] | None = None
     stop_sequence: str | None = None  # the stop string that ended the completion, if one did
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls parsed from the whole text (chat with tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +365,8 @@ class Completion:
     logprobs: tuple[float, ...] | None = None
     stop_sequence: str | None = None  # the stop string that ended the completion, if one did
     output_format: OutputFormat | None = None  # the response_format it was generated under
+    #: the tool calls the model made (chat with ``tools``); ``text`` keeps what it wrote for them
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def parsed(self) -> Any:
         """The text parsed and validated under the request's ``response_format``: the pydantic

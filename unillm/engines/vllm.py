@@ -46,9 +46,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel
 
-from unillm._engine import Messages
+from unillm._chat import template_message, template_takes_tools
+from unillm._engine_chat import Messages, Tools
 from unillm._eos import eos_from_hf_dir
 from unillm._errors import BackendUnavailable, ConfigError, EngineClosed, GenerationError, UnillmError
+from unillm._tools import InvalidTools, read_tools
+from unillm._types import ChatMessage
 from unillm.backend import (
     STANDARD_SAMPLING,
     Availability,
@@ -337,12 +340,12 @@ class VLLMEngine(Engine[VLLMOptions]):
 
     # ---- chat and tokenizer: vLLM's own template handling ----
 
-    def render_chat(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
-        """The prompt ``messages`` become under the model's chat template, rendered as vLLM renders
-        it (the tokenizer's ``apply_chat_template``, sandboxed Jinja); ``chat_template`` in the
-        engine config overrides the model's."""
-        from unillm import ChatMessage
-
+    def render_chat(
+        self, messages: Messages, *, add_generation_prompt: bool = True, tools: Tools | None = None
+    ) -> str:
+        """The prompt ``messages`` (and ``tools``) become under the model's chat template, rendered
+        as vLLM renders it (the tokenizer's ``apply_chat_template``, sandboxed Jinja);
+        ``chat_template`` in the engine config overrides the model's."""
         self._running()
         msgs = [ChatMessage.coerce(m) for m in messages]
         if not msgs:
@@ -353,9 +356,15 @@ class VLLMEngine(Engine[VLLMOptions]):
                 f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
                 "template) in the engine config, or use generate() with a plain prompt"
             )
+        spec = read_tools(tools) if tools else None
+        if spec is not None and not template_takes_tools(template):
+            raise InvalidTools(
+                "tools", "the chat template does not render tools; pass a chat_template that does"
+            )
         try:
             text = self._tok.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in msgs],
+                [template_message(m) for m in msgs],
+                tools=list(spec.tools) if spec is not None else None,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,

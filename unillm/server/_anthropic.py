@@ -34,6 +34,8 @@ router = APIRouter()
 def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | None]:
     if finish == "length":
         return "max_tokens", None
+    if finish == "tool_calls":  # not reached while this route refuses tools
+        return "tool_use", None
     if stop_sequence is not None:
         return "stop_sequence", stop_sequence
     return "end_turn", None

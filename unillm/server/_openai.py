@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from unillm._engine_chat import forced_params
+from unillm._errors import ConfigError
 from unillm._run import afold
+from unillm._tools import ToolCallParseError, ToolSpec, openai_tool_call, parse_tool_calls
+from unillm._types import Chunk
 from unillm.server._generate import ApiError, stream
 from unillm.server._request import (
     chat_prompt,
@@ -24,6 +28,7 @@ from unillm.server._request import (
     dumps,
     engine_for,
     openai_sampling,
+    read_request_tools,
     record_of,
     unless_gone,
 )
@@ -33,7 +38,7 @@ from unillm.server._schemas import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
-    from unillm._types import Chunk, Usage
+    from unillm._types import Completion, SamplingParams, Usage
 
 __all__ = ["router"]
 
@@ -57,18 +62,14 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
 
 
 def _finish(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    return None if reason is None else reason if reason in ("length", "tool_calls") else "stop"
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     check_common(body)
-    if body.tools or body.functions or body.tool_choice not in (None, "none") or body.function_call:
-        raise ApiError(
-            400, "tool calling is not served yet: send the request without tools", param="tools",
-            code="unsupported_parameter",
-        )  # fmt: skip
+    tools = read_request_tools(body)
     if body.top_logprobs:
         raise ApiError(
             400,
@@ -76,12 +77,17 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             param="top_logprobs", code="unsupported_parameter",
         )  # fmt: skip
     slot, engine = await engine_for(state, body.model, record)
-    prompt = await chat_prompt(engine, body.messages)
+    prompt = await chat_prompt(engine, body.messages, tools)
     asked = body.max_completion_tokens or body.max_tokens
     params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=0 if body.logprobs else None)
+    if tools is not None:
+        params = _forced(engine, params, tools)
     chunks = stream(state, slot, engine, prompt, params, record)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs
+    if tools is not None:
+        done = await unless_gone(request, afold(chunks))
+        return _tool_answer(engine, body, tools, done, cid, created, slot.alias)
     if not body.stream:
         done = await unless_gone(request, afold(chunks))
         choice = {
@@ -148,6 +154,62 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return f'data: {head}"text":{text},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
 
     return await _sse(request, chunks, event, last, "", want_lp)
+
+
+def _forced(engine: Engine[Any], params: SamplingParams, tools: ToolSpec) -> SamplingParams:
+    try:
+        return forced_params(engine, params, tools)
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), param="tool_choice", code="unsupported_parameter") from exc
+
+
+def _tool_answer(
+    engine: Engine[Any],
+    body: ChatRequest,
+    tools: ToolSpec,
+    done: Completion,
+    cid: str,
+    created: int,
+    alias: str,
+) -> Any:
+    """The answer of a chat with tools, whole or as one stream of events (the reply was held back
+    until it could be parsed): the calls in OpenAI's shape, the text around them as the content."""
+    try:
+        content, calls = parse_tool_calls(done.text, tools.names, forced=tools.forced)
+    except ToolCallParseError:  # cut by max_tokens: the text as it is, finish_reason "length"
+        content, calls = done.text, ()
+    if body.parallel_tool_calls is False:
+        calls = calls[:1]
+    finish = "tool_calls" if calls else _finish(done.finish_reason)
+    wire = [openai_tool_call(c) for c in calls]
+    lp = _chat_logprobs(engine, done.token_ids, done.logprobs) if body.logprobs else None
+    if not body.stream:
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = wire
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": lp,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+        return _whole(cid, "chat.completion", created, alias, choice, done.usage)
+    head, last = _framing(cid, "chat.completion.chunk", created, alias, body, '"delta":{}')
+
+    def delta(fields: dict[str, Any], logprobs: Any = None) -> str:
+        return (
+            f'data: {head}"delta":{dumps(fields)},"logprobs":{dumps(logprobs)},"finish_reason":null}}]}}\n\n'
+        )
+
+    events = [delta({"role": "assistant", "content": ""})]
+    if content:
+        events.append(delta({"content": content}, lp))
+    if wire:
+        events.append(delta({"tool_calls": [{"index": i, **c} for i, c in enumerate(wire)]}))
+    end = Chunk("", (), finish, done.usage, done.timings)  # type: ignore[arg-type]
+    events.append(last(end) + _DONE)
+    return StreamingResponse(iter(events), media_type="text/event-stream", headers=_SSE)
 
 
 def _whole(

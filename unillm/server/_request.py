@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from unillm._errors import ConfigError
+from unillm._tools import InvalidTools, ToolSpec, read_tools
 from unillm.server._generate import ApiError, RequestRecord, sampling
 
 if TYPE_CHECKING:
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
     from unillm.server._schemas import ChatMessageIn, _Sampling
 
 __all__ = [
-    "chat_prompt", "check_common", "dumps", "engine_for", "openai_sampling", "record_of", "text_of",
-    "unless_gone",
+    "chat_prompt", "check_common", "dumps", "engine_for", "openai_sampling", "read_request_tools",
+    "record_of", "text_of", "unless_gone",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -130,27 +131,50 @@ def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
-async def chat_prompt(engine: Engine[Any], messages: Sequence[ChatMessageIn]) -> str:
-    """The prompt text of OpenAI-shaped messages under the model's chat template."""
-    plain = []
+async def chat_prompt(
+    engine: Engine[Any], messages: Sequence[ChatMessageIn], tools: ToolSpec | None = None
+) -> str:
+    """The prompt text of OpenAI-shaped messages (and tools) under the model's chat template."""
+    plain: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if m.tool_calls or m.role == "tool":
-            raise ApiError(400, "tool messages are not served yet", param=f"messages[{i}]")
-        plain.append(
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": text_of(m.content, f"messages[{i}].content"),
-            }
-        )
-    return await render(engine, plain)
+        msg: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": text_of(m.content, f"messages[{i}].content"),
+        }
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        plain.append(msg)
+    return await render(engine, plain, tools)
 
 
-async def render(engine: Engine[Any], messages: list[dict[str, str]]) -> str:
+async def render(engine: Engine[Any], messages: list[dict[str, Any]], tools: ToolSpec | None = None) -> str:
     """Render on a thread: a template is the model's code, and may take its time."""
     try:
-        return await asyncio.to_thread(engine.render_chat, messages)
+        return await asyncio.to_thread(engine.render_chat, messages, tools=spec_tools(tools))
+    except InvalidTools as exc:
+        raise ApiError(400, str(exc), param=exc.field) from exc
     except ConfigError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
+
+
+def spec_tools(spec: ToolSpec | None) -> list[dict[str, Any]] | None:
+    return list(spec.tools) if spec is not None else None
+
+
+def read_request_tools(body: Any) -> ToolSpec | None:
+    """The request's ``tools`` and ``tool_choice``, read (None: plain chat); a 400 naming the
+    field when they cannot be used. The deprecated ``functions`` shape is refused."""
+    if body.functions or body.function_call:
+        raise ApiError(
+            400, "functions and function_call are OpenAI's deprecated shape: send tools and tool_choice",
+            param="functions", code="unsupported_parameter",
+        )  # fmt: skip
+    try:
+        return read_tools(body.tools, body.tool_choice)
+    except InvalidTools as exc:
+        raise ApiError(400, str(exc), param=exc.field) from exc
 
 
 def text_of(content: Any, where: str) -> str:
