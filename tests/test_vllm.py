@@ -704,3 +704,21 @@ def test_every_output_under_a_schema_validates(engine: Any) -> None:
             assert 3 <= done.parsed()["n"] <= 9
             numbers += 1
     assert orders >= 1 and numbers >= 2, (orders, numbers)
+
+
+def test_regex_and_choice_formats_are_enforced(engine: Any) -> None:
+    import re
+
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    choices = ["yes", "no", 'say "maybe"']
+    for seed in range(8):
+        done = engine.generate(
+            "Code:", response_format={"type": "regex", "pattern": pattern}, temperature=1.0, seed=seed,
+            max_tokens=20,
+        )  # fmt: skip
+        assert re.fullmatch(pattern, done.text) and done.parsed() == done.text, (seed, done)
+        picked = engine.generate(
+            "Answer:", response_format={"type": "choice", "choices": choices}, temperature=1.0, seed=seed,
+            max_tokens=20,
+        )  # fmt: skip
+        assert picked.text in choices, (seed, picked)

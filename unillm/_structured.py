@@ -7,7 +7,13 @@ A request asks for a format in one of these shapes, all read by :func:`output_fo
 - OpenAI's ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``;
 - OpenAI's ``{"type": "json_object"}``: any JSON object;
 - a bare JSON schema (``{"type": "object", "properties": ...}``);
-- ``{"type": "text"}``: no format (the same as None).
+- ``{"type": "text"}``: no format (the same as None);
+- ``{"type": "regex", "pattern": "..."}``: text that the regular expression matches whole;
+- ``{"type": "choice", "choices": ["...", ...]}``: exactly one of the strings.
+
+Regex and choice outputs are plain text, not JSON: ``Completion.parsed()`` returns the text once it
+matches. Regexes use the syntax common to Python's ``re`` and the engines' libraries (classes,
+repetition, alternation, groups); lookaround and backreferences are refused.
 
 Each backend enforces the format with its engine's own mechanism (llama.cpp's grammars, vLLM's
 structured outputs, ...) or refuses it; none ignores it. jsonschema is imported only to check a
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +35,11 @@ from unillm._errors import ConfigError, GenerationError
 
 __all__ = ["ANNOTATIONS", "OutputFormat", "StructuredOutputError", "output_format", "unenforced"]
 
-_WRAPPERS = ("json_schema", "json_object", "text")
+_WRAPPERS = ("json_schema", "json_object", "text", "regex", "choice")
+# what a regex may not use: engines' regex libraries (Rust's regex, GBNF) have no lookaround or
+# backreferences, so such a pattern could not be enforced the same everywhere
+_UNPORTABLE = re.compile(r"\(\?[=!<]|\(\?P[=>]|\\[1-9]|\(\?[aiLmsux]")
+MAX_CHOICES = 4096
 # keywords that make a mapping a JSON schema rather than a mistyped wrapper
 _SCHEMA_KEYS = frozenset(
     {"type", "properties", "items", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "$schema"}
@@ -52,21 +63,44 @@ class StructuredOutputError(GenerationError):
 
 @dataclass(frozen=True, slots=True)
 class OutputFormat:
-    """A response format, read once: ``schema`` is None for any JSON object (``json_object``)."""
+    """A response format, read once: ``schema`` is None for any JSON object (``json_object``);
+    ``pattern`` is the regex of ``regex``, ``choices`` the strings of ``choice``."""
 
-    kind: Literal["json_schema", "json_object"]
+    kind: Literal["json_schema", "json_object", "regex", "choice"]
     schema: Mapping[str, Any] | None = None
     model: type[BaseModel] | None = None
+    pattern: str | None = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
 
     @property
     def json_schema(self) -> dict[str, Any]:
-        """The schema to enforce; ``json_object`` is ``{"type": "object"}``."""
+        """The schema to enforce; ``json_object`` is ``{"type": "object"}``. A regex or choice has
+        none: asking raises ``ConfigError``, so a backend that only knows JSON refuses it loudly
+        instead of enforcing the wrong thing."""
+        if not self.is_json:
+            raise ConfigError(
+                f"this response_format is a {self.kind}, not JSON, and this backend enforces JSON "
+                "formats only; use a JSON schema, or a backend that enforces regexes and choices"
+            )
         return dict(self.schema) if self.schema is not None else {"type": "object"}
 
     def parse(self, text: str, finish_reason: str | None = None) -> Any:
         """``text`` parsed and validated: the pydantic instance when a model class was given, else
         the JSON value. Raises ``StructuredOutputError`` (with the raw text) when it does not
         parse or validate."""
+        if self.kind == "regex":
+            if re.fullmatch(self.pattern or "", text) is None:
+                msg = f"the output does not match {self.pattern!r}"
+                raise StructuredOutputError(msg, text, finish_reason)
+            return text
+        if self.kind == "choice":
+            if text not in self.choices:
+                raise StructuredOutputError("the output is not one of the choices", text, finish_reason)
+            return text
         try:
             value = json.loads(text)
         except ValueError as exc:
@@ -165,6 +199,10 @@ def output_format(value: Any) -> OutputFormat | None:
         return None
     if kind == "json_object":
         return OutputFormat("json_object")
+    if kind == "regex":
+        return _regex(value.get("pattern", value.get("regex")))
+    if kind == "choice":
+        return _choice(value.get("choices"))
     if kind == "json_schema":
         inner = value.get("json_schema")
         schema = inner.get("schema") if isinstance(inner, Mapping) else None
@@ -180,6 +218,30 @@ def output_format(value: Any) -> OutputFormat | None:
             "a JSON schema either (no type, properties, items, enum, anyOf, ... keyword)"
         )
     return OutputFormat("json_schema", _checked(value))
+
+
+def _regex(pattern: Any) -> OutputFormat:
+    if not isinstance(pattern, str) or not pattern:
+        raise ConfigError('response_format {"type": "regex"} needs "pattern": a non-empty regular expression')
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"response_format's pattern is not a regular expression: {exc}") from None
+    if _UNPORTABLE.search(pattern):
+        raise ConfigError(
+            "response_format's pattern uses lookaround, a backreference or an inline flag, which the "
+            "engines' constrained decoding cannot enforce; rewrite it without them"
+        )
+    return OutputFormat("regex", pattern=pattern)
+
+
+def _choice(choices: Any) -> OutputFormat:
+    ok = isinstance(choices, (list, tuple)) and all(isinstance(c, str) and c for c in choices)
+    if not ok or not choices:
+        raise ConfigError('response_format {"type": "choice"} needs "choices": a list of non-empty strings')
+    if len(choices) > MAX_CHOICES:
+        raise ConfigError(f"response_format has {len(choices)} choices; at most {MAX_CHOICES}")
+    return OutputFormat("choice", choices=tuple(dict.fromkeys(choices)))
 
 
 def _checked(schema: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,16 @@ FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uui
 def grammar_for(fmt: OutputFormat) -> str:
     """``fmt``'s GBNF grammar; raises ``UnsupportedParameter`` for a schema whose keywords the
     grammar would not enforce (integer bounds, say), never a grammar that half-enforces it."""
+    if fmt.kind == "choice":
+        return "root ::= " + " | ".join(_literal(c) for c in fmt.choices)
+    if fmt.kind == "regex":
+        raise UnsupportedParameter(
+            "llama.cpp",
+            ["response_format"],
+            hint="llama.cpp's grammars are not regular expressions, and unillm does not translate "
+            "them: use a choice or a JSON schema with a string pattern, or a backend that enforces "
+            "regexes (MLX, vLLM).",
+        )
     if fmt.schema is not None and (missing := unenforced(fmt.schema, ENFORCED, FORMATS)):
         raise UnsupportedParameter(
             "llama.cpp",
@@ -88,3 +98,22 @@ def eog_ids(vocab: Any, n_vocab: int) -> frozenset[int]:
 
     is_eog = llama_cpp.llama_vocab_is_eog
     return frozenset(t for t in range(n_vocab) if is_eog(vocab, t))
+
+
+def _literal(text: str) -> str:
+    """``text`` as a GBNF string literal."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ch == "\x7f":
+            out.append(f"\\x{ord(ch):02X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'

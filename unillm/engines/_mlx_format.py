@@ -9,6 +9,7 @@ model's own (as for ``logit_bias``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,16 @@ class FormatGuide:
         llg = self._llg()
         # compact JSON (no free whitespace, which a model can run on for ever); a keyword
         # llguidance does not implement is an error, never dropped (lenient stays off)
-        grammar = llg.LLMatcher.grammar_from_json_schema(
-            fmt.json_schema, defaults={"whitespace_flexible": False}
-        )
+        if fmt.kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(fmt.pattern)
+        elif fmt.kind == "choice":  # lark string literals take JSON's escapes
+            grammar = llg.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in fmt.choices)
+            )
+        else:
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                fmt.json_schema, defaults={"whitespace_flexible": False}
+            )
         matcher = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConfigError(f"llguidance cannot enforce this response_format: {matcher.get_error()}")

@@ -31,11 +31,14 @@ def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: froze
         stop_ids |= eos_token_ids
     structured = None
     if (fmt := params.output_format) is not None:  # enforced by vLLM's structured-output backend
-        structured = (
-            v.StructuredOutputsParams(json=fmt.json_schema)
-            if fmt.kind == "json_schema"
-            else v.StructuredOutputsParams(json_object=True)
-        )
+        if fmt.kind == "regex":
+            structured = v.StructuredOutputsParams(regex=fmt.pattern)
+        elif fmt.kind == "choice":
+            structured = v.StructuredOutputsParams(choice=list(fmt.choices))
+        elif fmt.kind == "json_schema":
+            structured = v.StructuredOutputsParams(json=fmt.json_schema)
+        else:
+            structured = v.StructuredOutputsParams(json_object=True)
     try:
         return v.SamplingParams(
             max_tokens=params.max_tokens,
