@@ -80,17 +80,23 @@ echo "gpu_check: exllamav2 import (extension build) took $(( $(date +%s) - start
 
 # ---- ExLlamaV3 (plugins/unillm-exllamav3) ----
 # Runs when the wheel directory holds an exllamav3 wheel. Carry, beside the ones above (same pip
-# download line; exllamav3's own requirements that the image lacks):
+# download line; exllamav3 1.6.5's own requirements, from its wheel's METADATA, that the image
+# lacks: pyyaml, marisa-trie, llguidance>=1.7):
 #
-#       exllamav3==1.4.1 marisa-trie pyyaml llguidance flash-linear-attention fla-core
+#       exllamav3==1.6.5 marisa-trie pyyaml llguidance
 #
-# exllamav3 compiles its CUDA extension at first import (nvcc and ninja, minutes), like exllamav2.
-# scripts/gpu_check_exllamav3.py converts the tiny model to EXL3 with exllamav3's own converter
-# (there is no network for prequantized weights), then checks the plugin against exllamav3 called
-# directly: the Job's max_new_tokens count, greedy parity, streaming, overhead ratio, structured
-# output (llguidance), 8 concurrent requests batched, cancel on close, kv_stats, prefix reuse.
-# Its table goes to $OUT/gpu_check_exllamav3.txt.
+# (1.6.5 is what `pip install exllamav3` gives and what the plugin's fake follows; it vendors the
+# flash-linear-attention kernels 1.4.1 needed as a package, and wants numpy>=2.1 and torch>=2.6:
+# carry numpy too if the image's is older. Its attention and cache kernels are Triton's; a CUDA
+# torch on Linux normally brings triton, checked below.) exllamav3 compiles its CUDA extension at first import (nvcc and ninja, minutes), like
+# exllamav2. scripts/gpu_check_exllamav3.py converts the tiny model to EXL3 with exllamav3's own
+# converter (there is no network for prequantized weights), then checks the plugin against
+# exllamav3 called directly: the Job's max_new_tokens count, greedy parity, streaming, overhead
+# ratio, structured output (llguidance), 8 concurrent requests batched, cancel on close, kv_stats,
+# prefix reuse. Its table goes to $OUT/gpu_check_exllamav3.txt.
 if ls "$WHEELS"/exllamav3-*.whl >/dev/null 2>&1; then
+    "$VPY" -c "import triton; print('triton', triton.__version__)" \
+        || echo "gpu_check: no triton beside torch: exllamav3 1.6 does not import without it (carry the triton wheel torch pins)"
     start=$(date +%s)
     "$VPY" -c "import exllamav3; print('exllamav3', exllamav3.__version__, 'imported')"
     echo "gpu_check: exllamav3 import (extension build) took $(( $(date +%s) - start )) s"

@@ -9,8 +9,9 @@ converter (``exllamav3.conversion.convert_model``, what its convert.py runs). If
 fails (a model too small for EXL3's tiles, say) the checks run on the FP16 directory instead,
 which exllamav3 loads unquantized, and the table says so.
 
-The checks: what a Job asked for n tokens streams (exllamav3 1.4.1's ``Job`` keeps
-``max_new_tokens - 1``; the plugin asks for one more), greedy token parity with exllamav3's
+The checks: what a Job asked for n tokens streams (exllamav3 1.6.5's ``Job`` streams exactly n;
+1.4.1's kept ``max_new_tokens - 1``, and the plugin reads which from a Job at load and asks for
+one more there), greedy token parity with exllamav3's
 generator called directly, streaming, the overhead of going through unillm (decode time over the
 direct loop's, median of interleaved runs), structured output through exllamav3's llguidance
 filter, 8 concurrent requests batched, a closed stream
@@ -158,14 +159,14 @@ def main() -> int:
         ours = {
             n: len(engine.generate(PROMPTS[0], greedy, max_tokens=n, ignore_eos=True).token_ids) for n in got
         }
-        # the plugin relies on n - 1 (n > 1); with n the base class cuts at max_tokens anyway
+        # 1.6.5 streams n; the plugin asks for what gives n either way (see its _load)
         return ours == {
             n: n for n in got
         }, f"Job(max_new_tokens=n) streams {got}; unillm max_tokens=n gives {ours}"
 
     def parity() -> tuple[bool, str]:
         ours = [list(engine.generate(p, greedy).token_ids) for p in PROMPTS]
-        theirs = [direct.run(p, N + 1) for p in PROMPTS]  # one more: see max_new_tokens_count
+        theirs = [direct.run(p, N) for p in PROMPTS]
         same = sum(a == b for a, b in zip(ours, theirs, strict=True))
         lp = engine.generate(PROMPTS[0], greedy, logprobs=1)
         lp_ok = lp.logprobs is not None and len(lp.logprobs) == len(lp.token_ids) and max(lp.logprobs) <= 1e-3
@@ -197,7 +198,7 @@ def main() -> int:
             engine.generate(PROMPTS[1], long)
             ours.append(time.perf_counter() - t)
             t = time.perf_counter()
-            direct.run(PROMPTS[1], OVERHEAD_TOKENS + 1, stop=False)
+            direct.run(PROMPTS[1], OVERHEAD_TOKENS, stop=False)
             theirs.append(time.perf_counter() - t)
         ratio = statistics.median(ours) / statistics.median(theirs)
         return ratio <= OVERHEAD_LIMIT, (

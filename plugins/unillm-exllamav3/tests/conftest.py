@@ -46,6 +46,7 @@ def fake(exl: ModuleType) -> Iterator[Any]:
     _fake.GPU_MEMORY[:] = memory
     _fake.STEP_SECONDS = step
     _fake.FAIL_NEXT_STEP = None
+    _fake.FAIL_NEXT_PREFILL = None
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +60,7 @@ def make_exl3(hf_dir: Path, where: Path, bits: float = 4.0) -> Path:
     (the fake reads the weights' size only, so they stay as they are)."""
     shutil.copytree(hf_dir, where)
     cfg = json.loads((where / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "exl3", "version": "1.4.1", "bits": bits, "head_bits": 6}
+    cfg["quantization_config"] = {"quant_method": "exl3", "version": "1.6.5", "bits": bits, "head_bits": 6}
     (where / "config.json").write_text(json.dumps(cfg, indent=2))
     return where
 

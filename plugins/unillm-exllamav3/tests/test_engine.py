@@ -46,7 +46,7 @@ def load(path: Path, **options: Any) -> ExLlamaV3Engine:
 
 def direct_greedy(path: Path, prompt: str, n: int) -> list[int]:
     """exllamav3 used directly, as its examples do: config, model, cache, tokenizer, generator, a
-    job. Its Job streams max_new_tokens - 1 tokens, so it asks for one more."""
+    job (1.6.5's Job streams exactly max_new_tokens)."""
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
 
     config = Config.from_directory(str(path))
@@ -57,7 +57,7 @@ def direct_greedy(path: Path, prompt: str, n: int) -> list[int]:
     generator = Generator(model=model, cache=cache, tokenizer=tokenizer)
     job = Job(
         input_ids=tokenizer.encode(prompt, encode_special_tokens=True),
-        max_new_tokens=n + 1,
+        max_new_tokens=n,
         sampler=ArgmaxSampler(),
         stop_conditions=config.eos_token_id_list,
     )
@@ -69,6 +69,40 @@ def direct_greedy(path: Path, prompt: str, n: int) -> list[int]:
                 out.extend(r["token_ids"][0].tolist())
     model.unload()
     return out
+
+
+def test_the_fake_counts_and_asserts_as_exllamav3_1_6_5(exl3_dir: Path) -> None:
+    from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
+
+    config = Config.from_directory(str(exl3_dir))
+    model = Model.from_config(config)
+    late = Model.from_config(config)
+    cache = Cache(model, max_num_tokens=512)
+    model.load(progressbar=False)
+    tokenizer = Tokenizer.from_config(config)
+    generator = Generator(model=model, cache=cache, tokenizer=tokenizer)
+    ids = tokenizer.encode(PROMPT, encode_special_tokens=True)
+
+    def run(n: int | None) -> int:
+        generator.enqueue(Job(input_ids=ids, max_new_tokens=n, sampler=ArgmaxSampler()))
+        count = 0
+        while generator.num_remaining_jobs():
+            count += sum(r["token_ids"].shape[-1] for r in generator.iterate() if "token_ids" in r)
+        return count
+
+    assert {n: run(n) for n in (1, 2, 8)} == {1: 1, 2: 2, 8: 8}
+    assert run(None) == 512 - ids.shape[-1] - 1  # no limit: what the cache holds
+    with pytest.raises(AssertionError, match="max_new_tokens must be >= 1"):
+        Job(input_ids=ids, max_new_tokens=0)
+    late.load(progressbar=False)
+    after = Generator(model=late, cache=Cache(late, max_num_tokens=256), tokenizer=tokenizer)
+    with pytest.raises(AssertionError, match=r"BEFORE calling model\.load"):
+        after.iterate()  # a cache created after the load is never allocated
+    Generator(model=model, cache=cache, tokenizer=tokenizer)
+    with pytest.raises(RuntimeError, match="no longer owns its Cache"):
+        generator.iterate()
+    late.unload()
+    model.unload()
 
 
 def wait_until(condition: Callable[[], bool]) -> None:
@@ -348,6 +382,40 @@ def test_logprobs_are_the_models_own(engine: ExLlamaV3Engine) -> None:
     cut = engine.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True, logprobs=1, stop_token_ids=[stop])
     assert cut.logprobs == pytest.approx(out.logprobs[: len(cut.token_ids)], abs=1e-6)
     assert engine.generate(PROMPT, GREEDY, max_tokens=4).logprobs is None
+
+
+def test_a_job_exllamav3_fails_alone_fails_only_its_own_stream(engine: ExLlamaV3Engine, fake: Any) -> None:
+    # exllamav3 1.6 contains a failed prompt evaluation to its job: an "error" result, not a raise
+    fake.STEP_SECONDS = 0.005
+    other = engine.stream(PROMPT, GREEDY, max_tokens=40, ignore_eos=True)
+    next(other)  # generating: the next prompt is evaluated beside it
+    fake.FAIL_NEXT_PREFILL = "CUDA out of memory. Tried to allocate 8.00 GiB"
+    with pytest.raises(OutOfMemory, match="while generating"):
+        engine.generate("A prompt that fails", GREEDY)
+    assert len([c for c in other]) > 0  # the other request ran to its end
+    fake.FAIL_NEXT_PREFILL = "an illegal memory access"
+    with pytest.raises(GenerationError, match="illegal memory access"):
+        engine.generate(PROMPT, GREEDY)
+    assert engine.kv_stats().used_tokens == 0  # the failed jobs' pages are free
+    assert engine.generate(PROMPT, GREEDY, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_an_exllamav3_whose_job_counts_one_short_still_gives_max_tokens(
+    exl3_dir: Path, exl: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # exllamav3 1.4.1's Job kept max_new_tokens - 1 (and stopped num_draft_tokens early): the
+    # plugin reads that from a Job at load and asks for that many more
+    class ShortJob(exl.Job):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, max_new_tokens: int | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, max_new_tokens=max_new_tokens, **kwargs)
+            self.max_new_tokens = (max_new_tokens or 2) - 1 or 1
+
+    monkeypatch.setattr(exl, "Job", ShortJob)
+    with load(exl3_dir) as e:
+        for n in (1, 2, 7):
+            out = e.generate(PROMPT, GREEDY, max_tokens=n, ignore_eos=True)
+            assert len(out.token_ids) == n and out.finish_reason == "length"
+            assert e._generator.fake_finished[-1]["eos_reason"] == "max_new_tokens"
 
 
 def test_a_failing_step_is_a_generation_error_and_the_engine_carries_on(

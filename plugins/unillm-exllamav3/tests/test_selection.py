@@ -152,6 +152,14 @@ def test_probe_build_reports_the_install_without_importing_it(monkeypatch: pytes
     found = []
     ExLlamaV3Engine.probe_build(FOUR_4090, found)
     assert found and "nvcc" in found[0]
+    assert not any("triton" in f for f in found)
+    import unillm_exllamav3.engine as mod
+
+    real = mod.find_spec
+    monkeypatch.setattr(mod, "find_spec", lambda name: None if name == "triton" else real(name))
+    found = []
+    ExLlamaV3Engine.probe_build(FOUR_4090, found)
+    assert any("triton is not" in f for f in found)  # exllamav3 1.6 does not import without it
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "fake_exllamav3" not in p])
     monkeypatch.delitem(sys.modules, "exllamav3", raising=False)
     assert ExLlamaV3Engine.probe_build(FOUR_4090, []) is None

@@ -4,7 +4,9 @@ The generator is not thread-safe: only the worker touches it. Callers hand it jo
 jobs' streaming result dicts from their own queue, so any number of threads or asyncio tasks
 generate at once and each ``iterate()`` advances all of their jobs together (continuous
 batching). A caller that stops early has its job cancelled at the next step, which frees its cache
-pages. Other threads read the generator's state with ``call``.
+pages. A job that exllamav3 (1.6) fails alone (its prompt's forward pass raised: an ``error``
+result) ends its caller's stream with that exception, and the others carry on; a step that raises
+fails them all (``StepWorker``). Other threads read the generator's state with ``call``.
 """
 
 from __future__ import annotations
@@ -41,11 +43,20 @@ class JobRunner(StepWorker):
         self._gen.cancel(live.payload)
 
     def _step(self) -> Iterable[tuple[int, Any, bool]]:
-        return [(r["serial"], r, bool(r["eos"])) for r in self._gen.iterate() if r["stage"] == "streaming"]
+        out: list[tuple[int, Any, bool]] = []
+        for r in self._gen.iterate():
+            if r["stage"] == "streaming":
+                out.append((r["serial"], r, bool(r["eos"])))
+            elif r["stage"] == "error":  # the job was dropped with its pages: raise it to its caller
+                out.append((r["serial"], r["error"], True))
+        return out
 
     def _reset(self) -> None:
         self._gen.clear_queue()
 
     def _shutdown(self) -> None:
         self._gen.clear_queue()
+        close = getattr(self._gen, "close", None)  # exllamav3 1.6: frees its host buffers and pools
+        if close is not None:
+            close()
         self._gen = None  # let the generator, its cache and its GPU memory go

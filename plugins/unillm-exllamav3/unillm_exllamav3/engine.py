@@ -165,6 +165,11 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
                 "exllamav3 has no prebuilt extension and there is no CUDA toolkit (nvcc, CUDA_HOME): "
                 "its first import, which compiles one, will fail"
             )
+        if gpus and any(g.vendor == "nvidia" for g in gpus) and find_spec("triton") is None:
+            findings.append(
+                "exllamav3 is installed but triton is not: exllamav3 1.6's attention and cache kernels "
+                "are Triton's and it does not import without it (CUDA builds of torch bring it)"
+            )
         return EngineBuild("exllamav3", avail.version, ("cuda",))
 
     # ---- load ----
@@ -195,7 +200,8 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
         draft_tokens = opts.num_draft_tokens if opts.draft_model else 0
         batch = opts.max_batch_size
         want = opts.cache_size or n_ctx * batch
-        # a job holds its prompt, max_tokens + 1 (exllamav3 counts one short) and the draft window
+        # a job reserves its prompt, max_tokens + 1 and the draft window (and before exllamav3 1.6
+        # one more, which its Job counted short)
         cache_size = -(-max(want, n_ctx + draft_tokens + 2) // PAGE) * PAGE
         model, cache = load_weights(exl, config, self.options, cache_size, "model", main=True)
         loaded = [model]
@@ -235,8 +241,12 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
         self._Job, self._Combo = exl.Job, exl.ComboSampler
         self._Guide = getattr(exl, "LLGuidanceFilter", None)  # exllamav3's llguidance filter
         self._proto = tokenizer.single_token(0)  # makes tensors like exllamav3's: no torch import here
+        # exllamav3 1.6 streams exactly max_new_tokens (ending inside a draft window too); before
+        # it, the Job kept max_new_tokens - 1 and ended num_draft_tokens early: ask for that many
+        # more there. The Job says which on construction (cheap: nothing is allocated)
+        counts_short = int(exl.Job(input_ids=self._proto, max_new_tokens=2).max_new_tokens) < 2
+        self._extra_tokens = 1 + draft_tokens if counts_short else 0
         self._n_ctx = self.context_length = n_ctx
-        self._draft_tokens = draft_tokens
         self.vocab_size = int(config.vocab_size or tokenizer.actual_vocab_size)
         self.eos_token_ids = eos_ids(config, tokenizer, self.vocab_size)
         self._eos = tuple(sorted(self.eos_token_ids))
@@ -301,9 +311,8 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
         stops: list[int | str] = [*params.stop_token_ids, *(() if params.ignore_eos else self._eos)]
         job = self._Job(
             input_ids=tensor,
-            # exllamav3's Job keeps max_new_tokens - 1 (and ends num_draft_tokens early when it
-            # drafts): ask for that many more; the base class's max_tokens count is the limit
-            max_new_tokens=params.max_tokens + 1 + self._draft_tokens,
+            # exact from exllamav3 1.6 (see _load); the base class's max_tokens count is the limit
+            max_new_tokens=params.max_tokens + self._extra_tokens,
             min_new_tokens=params.min_tokens,
             sampler=self._sampler(params),
             seed=params.seed if params.seed is not None else self.options.seed,

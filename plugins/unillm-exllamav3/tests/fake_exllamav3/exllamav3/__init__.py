@@ -1,7 +1,9 @@
 """A fake of exllamav3's public API for tests on machines without CUDA (see ../README.md).
 
-The names exported here are those of exllamav3/__init__.py (v1.4.1, commit 4f8ad01): Config,
-Model, Tokenizer, Cache and its layer types, Generator, Job, Filter and the samplers.
+The names exported here are those of exllamav3/__init__.py (v1.6.5, the PyPI wheel) that the
+plugin and its checks use: Config, Model, Tokenizer, Cache and its layer types, Generator, Job,
+Filter, LLGuidanceFilter and the samplers (not MMEmbedding, AsyncGenerator, AsyncJob or
+FormatronFilter, which are not modelled).
 """
 
 from .cache import Cache, CacheLayer_fp16, CacheLayer_quant

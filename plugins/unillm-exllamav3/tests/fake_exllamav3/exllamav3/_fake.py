@@ -12,6 +12,9 @@ GPU_MEMORY: list[int] = [24 * 2**30]
 STEP_SECONDS = float(os.environ.get("FAKE_EXLLAMAV3_STEP_SECONDS", "0"))
 #: a message to raise from the next ``Generator.iterate()`` (a failing step), then cleared
 FAIL_NEXT_STEP: str | None = None
+#: a message to raise from the next prompt chunk a job evaluates (exllamav3 1.6.5 contains that
+#: failure to the job: an ``error`` result for it, the others carry on), then cleared
+FAIL_NEXT_PREFILL: str | None = None
 #: bytes allocated now on each fake GPU
 _used: dict[int, int] = {}
 
@@ -47,3 +50,10 @@ def step() -> None:
         raise RuntimeError(msg)
     if STEP_SECONDS:
         time.sleep(STEP_SECONDS)
+
+
+def prefill_step() -> None:
+    global FAIL_NEXT_PREFILL
+    if FAIL_NEXT_PREFILL is not None:
+        msg, FAIL_NEXT_PREFILL = FAIL_NEXT_PREFILL, None
+        raise RuntimeError(msg)

@@ -1,5 +1,6 @@
-"""Cache and its layer types, as exllamav3/cache/{cache,fp16,quant}.py (v1.4.1): one layer per
-attention layer, tensors allocated when the model loads, ``storage_size()`` per layer."""
+"""Cache and its layer types, as exllamav3/cache/{cache,fp16,quant}.py (v1.6.5): one layer per
+attention layer, tensors allocated when the model loads (``initialized`` from then until it
+unloads), ``storage_size()`` per layer."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class CacheLayer:
 class CacheLayer_fp16(CacheLayer):
     def __init__(self, config: Any, attention: Any, cache_id: int, max_num_tokens: int, **kwargs: Any):
         super().__init__(config, attention, cache_id, max_num_tokens)
+        assert max_num_tokens % PAGE_SIZE == 0, f"max_num_tokens must be a multiple of {PAGE_SIZE}."
         self.shape = (max_num_tokens // PAGE_SIZE, PAGE_SIZE, config.num_kv_heads, config.head_dim)
 
     def storage_size(self) -> int:
@@ -50,6 +52,7 @@ class CacheLayer_quant(CacheLayer):
         **kwargs: Any,
     ):
         super().__init__(config, attention, cache_id, max_num_tokens)
+        assert max_num_tokens % PAGE_SIZE == 0, f"max_num_tokens must be a multiple of {PAGE_SIZE}."
         assert (2 <= k_bits <= 8) and (2 <= v_bits <= 8), "quantized cache must be from 2 to 8 bits"
         self.k_bits, self.v_bits = k_bits, v_bits
         pages = max_num_tokens // PAGE_SIZE
@@ -66,8 +69,9 @@ class CacheLayer_quant(CacheLayer):
 
 
 class Cache:
-    """``Cache(model, max_num_tokens, layer_type=None, **kwargs)``; ``k_bits``/``v_bits`` go to
-    ``CacheLayer_quant``. Create it before ``model.load()``: loading allocates it."""
+    """``Cache(model, max_num_tokens, layer_type=None, max_batch_size=16, max_history=0,
+    recurrent_dtype=torch.half, **kwargs)``; ``k_bits``/``v_bits`` go to ``CacheLayer_quant``.
+    Create it before ``model.load()``: loading allocates it and sets ``initialized``."""
 
     def __init__(
         self,
@@ -76,12 +80,13 @@ class Cache:
         layer_type: type[CacheLayer] | None = None,
         max_batch_size: int = 16,
         max_history: int = 0,
+        recurrent_dtype: Any = None,
         **kwargs: Any,
     ) -> None:
-        assert max_num_tokens % PAGE_SIZE == 0, (
-            f"max_num_tokens must be a multiple of the page size ({PAGE_SIZE})"
-        )
         self.model = model
+        # set by Model.load(), cleared by Model.unload(): a cache is usable only after a load of
+        # the model it was attached to
+        self.initialized = False
         self.config = model.config
         self.max_num_tokens = max_num_tokens
         self.layer_type = layer_type or CacheLayer_fp16
@@ -91,10 +96,12 @@ class Cache:
             for i in range(self.num_layers)
         }
         self.num_slots = max_batch_size
+        self.max_history = max_history
+        self.num_recurrent_layers = 0  # the fake's architectures have none
         self._allocated: list[tuple[int, int]] = []
+        # attached: the model's next load allocates it (one created after the load never is, and
+        # a generator over it refuses to iterate)
         model.cache_weakrefs[id(self)] = weakref.ref(self)
-        if model.active_devices:  # attached to a loaded model: allocated now
-            self.fake_alloc(model.active_devices)
 
     def detach_from_model(self, model: Any = None) -> None:
         (model or self.model).cache_weakrefs.pop(id(self), None)

@@ -1,11 +1,13 @@
-"""Job: one prompt to complete (exllamav3/generator/job.py, v1.4.1).
+"""Job: one prompt to complete (exllamav3/generator/job.py, v1.6.5).
 
-The constructor's arguments and assertions, ``max_new_tokens`` as exllamav3 counts it (``Job``
-keeps ``max_new_tokens - 1 or 1``, so a job asked for n > 1 tokens streams n - 1), the stop
-conditions, the held text (partial stop strings, unfinished characters), filters (fed each
-token, their masks applied; a completed one with ``eos_after_completed`` ends the job with
-``end_filter``) and the streaming result dicts follow the real one. Token healing, banned
-strings, embeddings, requeueing and loop detection are not modelled (asserted off).
+The constructor's arguments and assertions, ``max_new_tokens`` as exllamav3 1.6.5 counts it
+(exactly: a job asked for n tokens streams n, ends there inside a draft window too; ``None`` or a
+limit past the cache is capped at what the cache holds when the job is queued), the stop
+conditions, the held text (partial stop strings, unfinished characters, re-decoded together
+when the job ends), filters (fed each token, their masks applied; a completed one with
+``eos_after_completed`` ends the job with ``end_filter``) and the streaming result dicts follow
+the real one. Token healing, banned strings, embeddings, requeueing, loop detection, top tokens
+and forced output (``constrain_output_now``) are not modelled (asserted off).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from exllamav3 import _fake
 from exllamav3._tensor import Tensor
 from exllamav3.constants import PAGE_SIZE
 from exllamav3.generator.pagetable import CachePage, tensor_hash_checksum
@@ -24,8 +27,9 @@ from exllamav3.generator.sampler import DefaultSampler
 
 def partial_strings_match(q: str, strings: list[str]) -> int:
     """exllamav3's ext.partial_strings_match: for each string in turn, the index of a full match
-    in ``q``, or -2 as soon as one overlaps ``q``'s end partially; -1 when nothing matches."""
-    for s in strings:
+    in ``q``, or -2 as soon as one overlaps ``q``'s end partially; -1 when nothing matches. Empty
+    strings are dropped (1.6.5's _strings_to_utf32: an empty needle matches nothing)."""
+    for s in (s for s in strings if s):
         for a0 in range(len(q)):
             a, b = a0, 0
             while q[a] == s[b]:
@@ -62,17 +66,19 @@ class Job:
         rq_state: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        assert all(ids.device.type == "cpu" for ids in input_ids), "input_ids must reside in system memory"
         if not isinstance(input_ids, list):
             input_ids = [input_ids]
-        assert all(ids.device.type == "cpu" for ids in input_ids), "input_ids must reside in system memory"
-        assert len(input_ids) == 1, "the fake does not model CFG (several sequences per job)"
         assert not (token_healing or banned_strings or embeddings or stop_on_loop), (
             "the fake does not model token healing, banned strings, embeddings or loop detection"
         )
-        assert max_rq_tokens is None, "the fake does not model requeueing"
+        assert max_rq_tokens is None and rq_state is None, "the fake does not model requeueing"
+        assert not return_top_tokens, "the fake does not model top tokens"
+        for ids in input_ids:
+            assert ids.shape[-1] > 0, "Input IDs cannot be empty."
+            assert ids.shape[0] == 1, "input_ids must be [1, seq_len] tensor or list of [1, seq_len] tensors"
+        assert len(input_ids) == 1, "A job holds exactly one sequence (multi-sequence jobs are not supported)"
         ids = input_ids[0]
-        assert ids.shape[-1] > 0, "Input IDs cannot be empty."
-        assert ids.shape[0] == 1, "input_ids must be [1, seq_len] tensor or list of [1, seq_len] tensors"
         self.input_ids: list[int] = [int(t) for t in ids[0].tolist()]
         self.sequence_ids: list[int] = list(self.input_ids)
         self.generator: Any = None
@@ -84,7 +90,11 @@ class Job:
         self.sampler = sampler if sampler is not None else DefaultSampler()
         self.seed = seed
         self.rng = random.Random() if seed is None else random.Random(seed)
-        self.max_new_tokens = max_new_tokens - 1 or 1  # type: ignore[operator]  # exllamav3's count
+        assert max_new_tokens is None or max_new_tokens >= 1, (
+            "max_new_tokens must be >= 1, or None for no limit"
+        )
+        # None: no limit beyond what the cache can hold; resolved against the generator in prepare_for_queue
+        self.max_new_tokens: int | None = max_new_tokens
         self.min_new_tokens = min_new_tokens
         self.new_tokens = 0
         self.decode_special_tokens = decode_special_tokens
@@ -137,7 +147,16 @@ class Job:
         self.generator = generator
         self.pagetable = generator.pagetable
         self.skips = 0
-        self.max_rq_tokens = self.max_new_tokens + 1
+        # the cache bounds the response: no limit means what the cache holds past the prompt (and
+        # the draft window), and a larger limit is capped to it (a prompt with no room keeps its
+        # limit and fails the page check below)
+        room = generator.max_total_tokens - len(self.input_ids) - 1 - generator.max_draft_tokens
+        if self.max_new_tokens is None:
+            self.max_new_tokens = max(1, room)
+        elif room >= 1:
+            self.max_new_tokens = min(self.max_new_tokens, room)
+        # the default budget: the whole response plus one speculative window past the limit
+        self.max_rq_tokens = self.max_new_tokens + 1 + generator.max_draft_tokens
         # hash the full pages of the prompt (all but its last token, which the first step reads)
         context = len(self.input_ids) - 1
         prev = None
@@ -200,18 +219,28 @@ class Job:
     # ---- prefill and sampling ----
 
     def is_prefill_done(self) -> bool:
-        return self.prefill_complete
+        return self.kv_position == len(self.sequence_ids) - 1
 
-    def prefill(self, results: list[dict[str, Any]]) -> None:
-        if self.prefill_complete:
-            return
+    def prefill(self, results: list[dict[str, Any]], chunk_size: int | None = None) -> None:
+        """One chunk of the prompt: up to ``max_chunk_size`` tokens ending on a page boundary (or
+        the prompt's last token but one), ``chunk_size`` when given (prompt ingestion alongside
+        generating jobs); a progress result only when it did something."""
         if self.time_first_prefill is None:
             self.time_first_prefill = time.time()
+        if self.prefill_complete:
+            return
         end = len(self.input_ids) - 1
-        n = min(self.generator.max_chunk_size, end - self.kv_position)
-        self._advance(n)
+        start = self.kv_position
+        stop = min((start + self.generator.max_chunk_size) // PAGE_SIZE * PAGE_SIZE, end)
+        if chunk_size is not None:
+            stop = min(stop, (start + chunk_size) // PAGE_SIZE * PAGE_SIZE)
+        if stop > start:
+            _fake.prefill_step()  # the forward pass, which may fail (FAIL_NEXT_PREFILL)
+            self._advance(stop - start)
         if self.kv_position >= end:
             self.prefill_complete = True
+        if stop <= start:
+            return
         r: dict[str, Any] = {
             "job": self,
             "stage": "prefill",
@@ -223,6 +252,14 @@ class Job:
         if self.identifier is not None:
             r["identifier"] = self.identifier
         results.append(r)
+
+    def activate(self) -> None:
+        """Mark the job active: its filters attached and reset (active unless they wait for a
+        trigger token)."""
+        for f in self.filters:
+            f.attach(self)
+            f.reset()
+            f.is_active = f.trigger_token is None
 
     def fake_mark_first_token(self) -> None:
         if self.time_first_token is None:
@@ -293,6 +330,12 @@ class Job:
                 if eos_reason == "stop_string":
                     r["eos_triggering_string"] = stop_string
             if emit_held:
+                if emit_eos and "\ufffd" in self.held_text and self.held_tokens:
+                    # the job ends with pieces still held: characters split across them are
+                    # repaired by decoding them together
+                    self.held_text = self.generator.tokenizer.decode(
+                        Tensor([self.held_tokens]), decode_special_tokens=self.decode_special_tokens
+                    )[0]
                 if self.held_text != "":
                     self.full_completion += self.held_text
                     r["text"] = self.held_text
@@ -324,7 +367,7 @@ class Job:
                         "cached_tokens": self.cached_pages * PAGE_SIZE + self.cached_tokens,
                     }
                 )
-                if self.generator.draft_model:
+                if self.generator.draft_model or self.generator.ngram_match_min:
                     r["accepted_draft_tokens"] = self.accepted_draft_tokens
                     r["rejected_draft_tokens"] = self.rejected_draft_tokens
                 if eos_reason == "stop_string":
@@ -334,6 +377,8 @@ class Job:
                     rh["text"] = self.held_text
                 if self.held_tokens:
                     rh["token_ids"] = Tensor([self.held_tokens])
+                if self.held_probs:
+                    rh["token_probs"] = Tensor([self.held_probs], np.float32)
                 if self.held_logits:
                     rh["logits"] = Tensor([self.held_logits], np.float32)
                 if rh:
@@ -356,11 +401,12 @@ class Job:
 
         if next_token in self.stop_tokens:
             return emit(emit_eos=True, eos_reason="stop_token", stop_token=next_token)
-        if self.new_tokens >= self.max_new_tokens - self.generator.num_draft_tokens:
+        # exact, also inside a draft window (the generator drops the window's remaining drafts)
+        if self.new_tokens >= self.max_new_tokens:  # type: ignore[operator]
             return emit(emit_eos=True, emit_held=True, eos_reason="max_new_tokens")
         if filter_eos_condition:
             return emit(emit_eos=True, emit_held=True, eos_reason="end_filter")
-        if self.held_text.endswith("\ufffd"):
+        if "\ufffd" in self.held_text:
             test = tok.decode(Tensor([self.held_tokens]), decode_special_tokens=self.decode_special_tokens)[0]
             if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:
                 return emit()

@@ -1,5 +1,6 @@
-"""PageTable and CachePage (exllamav3/generator/pagetable.py, v1.4.1), less defragmentation and
-the CPU tier: 256-token pages with reference counts and content hashes, so that full pages of a
+"""PageTable and CachePage (exllamav3/generator/pagetable.py, v1.6.5), less defragmentation, the
+tree eviction order (the fake takes the least recently used free page) and the CPU and disk
+tiers: 256-token pages with reference counts and content hashes, so that full pages of a
 finished prompt are found again by a later job with the same prefix."""
 
 from __future__ import annotations

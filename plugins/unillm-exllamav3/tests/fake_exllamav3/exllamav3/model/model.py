@@ -1,8 +1,9 @@
 """Model: ``Model.from_config(config)``, ``load(...)`` onto fake GPUs, ``unload()``, and a toy
 next-token table in place of the forward pass.
 
-The load arguments are those of exllamav3/model/model.py ``load_gen`` (v1.4.1), with its
-assertions; loading allocates every attached cache (exllamav3 ties cache tensors to the load).
+The load arguments are those of exllamav3/model/model.py ``load_gen`` (v1.6.5), with its
+assertions; loading allocates every attached cache and marks it ``initialized`` (exllamav3 ties
+cache tensors to the load), unloading clears that.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Model:
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.config = config
         self.caps: dict[str, Any] = {"supports_tp": True}
+        self.draft_verifier_params: dict[str, Any] = {}  # what a drafter adds to the verifying pass
         self.active_devices: list[int] = []
         self.output_device: int | None = None
         self.cache_weakrefs: dict[int, Any] = {}
@@ -92,6 +94,7 @@ class Model:
         max_batch_size: int = 1,
         tp_options: dict[str, Any] | None = None,
         autosplit_no_forward: bool = False,
+        draft_model: Any = None,
     ) -> None:
         self.fake_load_calls.append(
             {
@@ -103,6 +106,7 @@ class Model:
                 "tp_backend": tp_backend,
                 "max_batch_size": max_batch_size,
                 "tp_options": tp_options,
+                "draft_model": draft_model,
             }
         )
         assert not (bool(reserve_per_device) and bool(use_per_device)), (
@@ -142,6 +146,7 @@ class Model:
             self.output_device = self.active_devices[-1]
             for cache in caches:
                 cache.fake_alloc(self.active_devices)
+                cache.initialized = True
         except BaseException:
             self.unload()
             raise
@@ -166,6 +171,7 @@ class Model:
             cache = ref()
             if cache is not None:
                 cache.fake_free()
+                cache.initialized = False
         self.active_devices = []
         self.output_device = None
         self.loaded_tp = False

@@ -1,7 +1,10 @@
 """Tokenizer: the model's tokenizer.json through the tokenizers library, as exllamav3 does
-(exllamav3/tokenizer/tokenizer.py, v1.4.1): ``Tokenizer.from_config(config)``, ``encode``,
+(exllamav3/tokenizer/tokenizer.py, v1.6.5): ``Tokenizer.from_config(config)``, ``encode``,
 ``decode``, ``single_token``, ``single_id``, ``get_id_to_piece_list``, the special tokens,
-``tokenizer_config_dict`` and ``actual_vocab_size``/``raw_vocab_size``."""
+``tokenizer_config_dict`` and ``actual_vocab_size``/``raw_vocab_size``. As in 1.6.5, the HF
+tokenizer's padding and truncation are off, its post-processor never adds BOS, and
+``encode_special_tokens=False`` encodes special-token strings as plain text (the backend's
+split-special-tokens mode)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ class Tokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"No such file or directory: {path!r}")  # HFTokenizer.from_file
         self._hf = Tokenizer.from_file(path)
+        self._hf.no_truncation()
+        self._hf.no_padding()
         self.tokenizer = self._hf  # exllamav3's name for the HF tokenizer (llguidance builds from it)
         self.extended_piece_to_id: dict[str, int] = {}
         self.unspecial_piece_to_id: dict[str, int] = {}
@@ -48,17 +53,21 @@ class Tokenizer:
         self.pad_token_id = default_id("pad_token", config.pad_token_id, None)
         self.bos_token_id = default_id("bos_token", config.bos_token_id, 1)
         self.eos_token_id = default_id("eos_token", config.eos_token_id, 2)
-        # exllamav3 widens the config's EOS list with tokenizer_config.json's and generation_config.json's
-        e = default_id("eos_token", None, 2)
-        if e is not None and e not in config.eos_token_id_list:
-            config.eos_token_id_list.append(e)
+        # exllamav3 widens the config's EOS list with tokenizer_config.json's (1.6.5: only when it
+        # names one, no id-2 fallback) and generation_config.json's
+        e = default_id("eos_token", None, None)
+        if e:
+            if config.eos_token_id != e:
+                config.eos_token_id = e
+            if e not in config.eos_token_id_list:
+                config.eos_token_id_list.append(e)
         gen_path = os.path.join(config.directory, "generation_config.json")
         self.generation_config_dict: dict[str, Any] = {}
         if os.path.exists(gen_path):
             with open(gen_path, encoding="utf8") as f:
                 self.generation_config_dict = json.load(f)
         ee = self.generation_config_dict.get("eos_token_id")
-        for e in ee if isinstance(ee, list) else [ee] if ee is not None else []:
+        for e in ee if isinstance(ee, list) else [ee] if ee else []:
             if e not in config.eos_token_id_list:
                 config.eos_token_id_list.append(e)
         self.bos_token = self.extended_id_to_piece.get(self.bos_token_id) or self._hf.id_to_token(
@@ -67,8 +76,14 @@ class Tokenizer:
         self.eos_token = self.extended_id_to_piece.get(self.eos_token_id) or self._hf.id_to_token(
             self.eos_token_id
         )
-        if self.pad_token_id is None:
-            self.pad_token_id = self.eos_token_id if self.eos_token_id != self.bos_token_id else -1
+        if self.pad_token_id is None:  # "<pad>" (id 0 is a valid one), else EOS unless it is BOS
+            pad_test = self._hf.token_to_id("<pad>")
+            if pad_test is not None:
+                self.pad_token_id = pad_test
+            elif self.eos_token_id != self.bos_token_id:
+                self.pad_token_id = self.eos_token_id
+            else:
+                self.pad_token_id = -1
         self.raw_vocab_size = self._hf.get_vocab_size()
         self.actual_vocab_size = 1 + max([*self.extended_id_to_piece, self.raw_vocab_size - 1])
         self._pieces: list[str] | None = None
@@ -89,6 +104,7 @@ class Tokenizer:
         return tid if tid is not None else self._hf.token_to_id(token)
 
     def _encode_text(self, text: str, special: bool) -> list[int]:
+        self._hf.encode_special_tokens = not special  # False: special-token strings as text
         if not special or not self.extended_piece_to_id:
             return list(self._hf.encode(text, add_special_tokens=False).ids)
         ids: list[int] = []

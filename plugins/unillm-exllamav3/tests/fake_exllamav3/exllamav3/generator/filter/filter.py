@@ -1,6 +1,7 @@
 """Filter, the base of exllamav3's constrained-sampling filters (exllamav3/generator/filter/filter.py,
-v1.4.1): trigger token, ``feed`` (advance on an emitted token; True when it completed and
-``eos_after_completed``), ``reset``; less the journal that banned strings rewind with."""
+the same in v1.4.1 and v1.6.5): trigger token, ``feed`` (advance on an emitted token; True when it
+completed and ``eos_after_completed``), ``reset``; less the journal that banned strings rewind
+with."""
 
 from __future__ import annotations
 

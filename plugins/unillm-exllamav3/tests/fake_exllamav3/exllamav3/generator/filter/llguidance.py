@@ -1,6 +1,7 @@
-"""LLGuidanceFilter (exllamav3/generator/filter/llguidance.py, v1.4.1), with the real llguidance:
-the same constructor (exactly one grammar source), tokenizer (built from the HF tokenizer's JSON
-with the config's EOS list) and packed int32 bitmask; the mask is a numpy array (no torch)."""
+"""LLGuidanceFilter (exllamav3/generator/filter/llguidance.py, the same in v1.4.1 and v1.6.5),
+with the real llguidance: the same constructor (exactly one grammar source), tokenizer (built
+from the HF tokenizer's JSON with the config's EOS list) and packed int32 bitmask; the mask is a
+numpy array (no torch)."""
 
 from __future__ import annotations
 

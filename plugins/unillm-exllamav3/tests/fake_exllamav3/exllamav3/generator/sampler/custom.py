@@ -1,5 +1,6 @@
-"""CustomSampler and its steps (exllamav3/generator/sampler/custom.py, v1.4.1): the same class
-names and constructor arguments, applied in order by a numpy version of the chain."""
+"""CustomSampler and its steps (exllamav3/generator/sampler/custom.py, v1.6.5, less SS_DRY and
+the adaptive-p step): the same class names and constructor arguments, applied in order by a
+numpy version of the chain."""
 
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ class SS_TopK(SS_Base):
 
 
 class SS_TopP(SS_Base):
+    """The smallest set of top tokens with cumulative probability >= top_p: the token whose
+    probability crosses top_p is kept (1.6.5's ``(cumsum - probs) < top_p``)."""
+
     def __init__(self, top_p: float):
         self.top_p = top_p
 

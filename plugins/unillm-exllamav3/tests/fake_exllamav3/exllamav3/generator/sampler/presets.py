@@ -1,5 +1,6 @@
-"""The preset samplers, copied from exllamav3/generator/sampler/presets.py (v1.4.1) less
-AdaptivePSampler (adaptive-p is not modelled): same names, arguments and step chains."""
+"""The preset samplers of exllamav3/generator/sampler/presets.py (v1.6.5) less AdaptivePSampler
+(adaptive-p is not modelled) and DRY (``SS_DRY``: ComboSampler's ``dry_*`` arguments are taken,
+a multiplier other than 0 is asserted off): same names, arguments and step chains."""
 
 # ruff: noqa
 from .custom import *
@@ -68,7 +69,7 @@ class TopKSampler(CustomSampler):
 
 class TopPSampler(CustomSampler):
     """
-    Truncates distribution to the top probabilities <= top_p (at least 1 candidate) before sampling
+    Truncates distribution to the smallest set of top tokens with cumulative probability >= top_p before sampling
     """
 
     def __init__(self, top_p: float, temperature: float = 1.0, temperature_last=False):
@@ -93,6 +94,11 @@ class ComboSampler(CustomSampler):
         pres_p: float = 0.0,
         rep_sustain_range: int = int(10e7),
         rep_decay_range: int = 0,
+        dry_multiplier: float = 0.0,
+        dry_base: float = 1.75,
+        dry_allowed_length: int = 2,
+        dry_range: int = 0,
+        dry_sequence_breakers: frozenset[int] | set[int] | list[int] | None = None,
         temperature: float = 1.0,
         min_p: float = 0.0,
         top_k: int = 0,
@@ -103,6 +109,7 @@ class ComboSampler(CustomSampler):
         logit_bias: dict[int, float] | None = None,
     ):
         # Steps with default parameters become no-ops
+        assert dry_multiplier == 0.0 or dry_base < 1.0, "the fake does not model DRY"
         stack = [
             SS_LogitBias(logit_bias or {}),
             SS_RepP(rep_p, rep_sustain_range, rep_decay_range),
