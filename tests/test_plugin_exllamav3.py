@@ -16,7 +16,7 @@ import pytest
 
 from unillm.testing import TinyModel
 
-from ._plugin_util import ROOT, clean_env, fake_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run
 
 PLUGIN = ROOT / "plugins" / "unillm-exllamav3"
 FAKE = PLUGIN / "tests" / "fake_exllamav3"
@@ -43,13 +43,13 @@ def exl3_dir(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    where = tmp_path_factory.mktemp("site")
-    fake_install(where, "unillm-exllamav3", "exllamav3", "unillm_exllamav3")
-    return where
+    """The plugin installed by pip from its directory (code and real .dist-info, no
+    dependencies): the tests below run that copy, beside the fake exllamav3."""
+    return pip_install(PLUGIN, tmp_path_factory.mktemp("site"))
 
 
-def test_exllamav3_plugin_tests_pass(env: dict[str, str]) -> None:
-    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(FAKE)])}
+def test_exllamav3_plugin_tests_pass(env: dict[str, str], site: Path) -> None:
+    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(site), str(FAKE)])}
     out = run(
         ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider"], plugin_env, timeout=300
     )
@@ -85,7 +85,7 @@ def test_found_through_its_entry_point_beside_the_built_ins(env: dict[str, str],
         "print('guide', [e.reason for e in default_registry().guide() if e.engine == 'exllamav3'])\n"
         "print('available', unillm.backends()['exllamav3'].availability())\n"
     )
-    out = run(["-c", script], {**env, "PYTHONPATH": os.pathsep.join([str(site), str(PLUGIN)])})
+    out = run(["-c", script], {**env, "PYTHONPATH": str(site)})
     assert "backend exllamav3 from exllamav3" in out
     assert "backend exllamav2 from builtin" in out and "backend llama.cpp from builtin" in out
     assert "failures []" in out
@@ -104,7 +104,7 @@ def test_unillm_select_picks_it_for_exl3_on_nvidia_gpus(
         "r = CliRunner().invoke(app, ['select', sys.argv[1], '--hardware', sys.argv[2], '--explain'])\n"
         "print(json.dumps({'code': r.exit_code, 'out': r.output}))\n"
     )
-    paths = os.pathsep.join([str(site), str(PLUGIN)])
+    paths = str(site)
     for profile, picked in ((FOUR_4090, True), (LAPTOP, False)):
         got = json.loads(run(["-c", script, str(exl3_dir), str(profile)], {**env, "PYTHONPATH": paths}))
         out = str(got["out"])
@@ -132,7 +132,7 @@ def test_auto_engine_loads_it_for_exl3_on_a_faked_nvidia_machine(
     )
     plugin_env = {
         **env,
-        "PYTHONPATH": os.pathsep.join([str(site), str(PLUGIN), str(FAKE)]),
+        "PYTHONPATH": os.pathsep.join([str(site), str(FAKE)]),
         "UNILLM_EXLLAMAV3_ASSUME_GPU": "1",  # the GPU the fake exllamav3 simulates
     }
     out = run(["-c", script, str(exl3_dir), str(FOUR_4090)], plugin_env)

@@ -168,7 +168,8 @@ def test_probe_build_reports_the_install_without_importing_it(monkeypatch: pytes
 def test_the_readme_options_table_matches_the_model() -> None:
     import re
 
-    text = (PACKAGE.parent / "README.md").read_text(encoding="utf-8").split("\n## Options\n", 1)[1]
+    readme = Path(__file__).resolve().parent.parent / "README.md"  # the source tree, installed or not
+    text = readme.read_text(encoding="utf-8").split("\n## Options\n", 1)[1]
     rows = [
         [c.strip() for c in line.strip().split("|")[1:-1]]
         for line in text.splitlines()
