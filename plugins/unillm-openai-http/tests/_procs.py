@@ -43,10 +43,16 @@ class Proc:
     """One server process: ``url`` is its root (``url + '/v1'`` the OpenAI base)."""
 
     def __init__(
-        self, cmd: Sequence[str], port: int, log: Path, env: Mapping[str, str] | None = None
+        self,
+        cmd: Sequence[str],
+        port: int,
+        log: Path,
+        env: Mapping[str, str] | None = None,
+        drop: Sequence[str] = (),
     ) -> None:
+        """``env`` is added to this process's environment, less ``UNILLM_*`` and the ``drop`` names."""
         self.port, self.log_path = port, log
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("UNILLM_")}
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("UNILLM_") and k not in drop}
         environ.update({"PYTHONUNBUFFERED": "1", **(env or {})})
         self._log = open(log, "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(

@@ -38,6 +38,7 @@ class Event:
     stop_reason: str | None = None  # the stop string that ended it, where the server says (vLLM's field)
     usage: Mapping[str, Any] | None = None
     error: str | None = None
+    error_code: int | None = None  # the HTTP status an error event names (vLLM's ``code``: 400)
 
 
 @dataclass
@@ -209,7 +210,13 @@ def parse_event(line: str, url: str) -> Event | None:
         raise ServerFailed(url, None, f"an event that is not a JSON object: {data[:200]!r}")
     if "error" in obj:
         err = obj["error"]
-        return Event(error=str(err.get("message", err) if isinstance(err, dict) else err))
+        if not isinstance(err, dict):
+            return Event(error=str(err))
+        code = err.get("code")
+        return Event(
+            error=str(err.get("message", err)),
+            error_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+        )
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
     choices = obj.get("choices") or []
     if not choices:

@@ -3,9 +3,11 @@
 Which gauges each server names (a scrape may hold several servers' families; the first family
 found wins, in this order):
 
-- vLLM: ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``), the counters
-  ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, and the labels of
-  ``vllm:cache_config_info`` (``block_size``, ``num_gpu_blocks``: the capacity).
+- vLLM: ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``; a fraction of the
+  blocks), the counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (in prompt
+  tokens; hits are whole blocks), and the labels of ``vllm:cache_config_info`` (``block_size``,
+  ``num_gpu_blocks``, and where it has it (0.32 does) ``kv_cache_size_tokens``, the capacity
+  vLLM itself states; else blocks times the block size).
 - SGLang: ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:page_size``.
 - llama.cpp's ``llama-server --metrics``: ``llamacpp:kv_cache_tokens``,
   ``llamacpp:kv_cache_usage_ratio`` (capacity = tokens / ratio, when the ratio is above zero).
@@ -96,7 +98,7 @@ def _vllm(s: _Scrape) -> KVStats:
     perc = s.value("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
     info = s.labels("vllm:cache_config_info") or {}
     block, blocks = _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks")
-    cap = block * blocks if block and blocks else None
+    cap = _int_label(info, "kv_cache_size_tokens") or (block * blocks if block and blocks else None)
     used_blocks = round(perc * blocks) if perc is not None and blocks else None
     return KVStats(
         capacity_tokens=cap,

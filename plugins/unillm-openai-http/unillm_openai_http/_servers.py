@@ -11,7 +11,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["OWNED_BY", "RENAMED", "SAMPLING", "TOKENIZER", "TOKEN_PROMPTS", "OPENAI", "auth", "match", "root"]
+__all__ = [
+    "OPENAI",
+    "OWNED_BY",
+    "RENAMED",
+    "SAMPLING",
+    "TOKENIZER",
+    "TOKEN_IDS",
+    "TOKEN_PROMPTS",
+    "auth",
+    "match",
+    "root",
+]
 
 
 OPENAI = frozenset(
@@ -30,6 +41,9 @@ SAMPLING: dict[str, frozenset[str]] = {
     "openai": OPENAI,
 }
 TOKEN_PROMPTS = frozenset({"unillm", "vllm", "sglang", "llama.cpp", "llama-cpp-python"})
+# servers that stream each chunk's token ids when a request asks with ``return_token_ids``
+# (vLLM: one event per engine step, an id even where the text is held back or empty)
+TOKEN_IDS = frozenset({"vllm"})
 OWNED_BY = {
     "unillm": "unillm",
     "vllm": "vllm",

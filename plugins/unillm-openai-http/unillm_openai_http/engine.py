@@ -9,8 +9,9 @@ which decides the sampling parameters it honours (the rest are refused, per the 
 
 Usage is the server's own (``stream_options.include_usage``) when it sends it; otherwise it is
 counted here: one completion token per streamed event, the prompt through the server's tokenizer
-route. Token ids are the server's where it streams them (vLLM's ``token_ids``); the others stream
-text only, so chunks carry no ids there. Timings are measured here, on the client's clock.
+route. Token ids are the server's where it streams them (vLLM's ``token_ids``, asked for with
+``return_token_ids``); the others stream text only, so chunks carry no ids there. Timings are
+measured here, on the client's clock.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ from typing import Any, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from unillm import ChatMessage, Chunk, ConfigError, KVStats, SamplingParams
+from unillm import ChatMessage, Chunk, ConfigError, KVStats, SamplingParams, UnsupportedParameter
 from unillm.backend import Availability, Capabilities, Engine, RawPiece, Request, Suitability, check_text
-from unillm_openai_http._errors import ServedModelNotFound, ServerFailed, TokenizerUnavailable
+from unillm_openai_http._errors import (
+    ServedModelNotFound,
+    ServerFailed,
+    TokenizerUnavailable,
+    http_error,
+)
 from unillm_openai_http._http import Event, Wire, aevents, events
 from unillm_openai_http._metrics import kv_from_metrics
 from unillm_openai_http._servers import (
@@ -35,6 +41,7 @@ from unillm_openai_http._servers import (
     OWNED_BY,
     RENAMED,
     SAMPLING,
+    TOKEN_IDS,
     TOKEN_PROMPTS,
     TOKENIZER,
     auth,
@@ -109,7 +116,8 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
     formats: ClassVar[frozenset[str]] = frozenset({"openai-http"})
     # a server schedules its own requests, so many callers stream at once (batching=True keeps
     # the base class from serializing them, and astream native on the caller's loop)
-    # servers stream text; the ids are not known here (the usage count is the server's)
+    # servers stream text; the ids are not known here (the usage count is the server's) unless
+    # the server streams them (vLLM: set at load)
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=OPENAI, batching=True, token_prompts=False, token_ids=False
     )
@@ -189,7 +197,12 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         listed = entry.get("sampling")  # unillm serve lists what its backend takes
         if isinstance(listed, list):
             sampling = sampling & frozenset(str(n) for n in listed)
-        caps = replace(self.capabilities, sampling=sampling, token_prompts=kind in TOKEN_PROMPTS)
+        caps = replace(
+            self.capabilities,
+            sampling=sampling,
+            token_prompts=kind in TOKEN_PROMPTS,
+            token_ids=kind in TOKEN_IDS,
+        )
         self.capabilities = caps  # type: ignore[misc]
         ctx = entry.get("max_model_len")
         self.context_length = ctx if isinstance(ctx, int) else None
@@ -225,6 +238,8 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
                 if fmt.kind == "json_schema"
                 else {"type": "json_object"}
             )
+        if self._kind in TOKEN_IDS:
+            body["return_token_ids"] = True
         return {**body, "stream": True, "stream_options": {"include_usage": True}}
 
     def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> _Call:
@@ -286,16 +301,24 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
 
     def _read(self, call: _Call, event: Event, url: str) -> RawPiece | None:
         if event.error is not None:
-            raise ServerFailed(url, None, event.error)
+            # vLLM checks some parameters (token ids against its vocabulary) inside a stream it
+            # already answered 200: its error event carries the HTTP code it means
+            code = event.error_code
+            if code is not None and 400 <= code < 500:
+                raise http_error(url, code, event.error, self._served)
+            raise ServerFailed(url, code, event.error)
         if event.usage is not None:
             call.usage = event.usage
         if event.finish_reason is not None:
             call.finish = event.finish_reason
             call.stop_reason = event.stop_reason
-        if event.text is None or (event.text == "" and event.finish_reason is not None):
-            return None  # the closing event adds no token
-        call.events += max(1, len(event.token_ids))
-        return event.text, event.token_ids, None
+        ids = event.token_ids
+        if not ids and (event.text is None or (event.text == "" and event.finish_reason is not None)):
+            return None  # the closing event adds no token (unless it carries the last one's id)
+        call.events += max(1, len(ids))
+        # an id without text: a token whose bytes the server holds back (part of a character, or
+        # perhaps a stop string), or the one that ended it (a stop token's text is never sent)
+        return event.text or "", ids, None
 
     def _settle(self, call: _Call, req: Request, *, tokenize: bool = True) -> None:
         """Fill ``req`` from the server's usage, or count it here when the server sent none."""
@@ -323,12 +346,21 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
                 req.prompt_tokens = 0
 
     def stream_chat(
-        self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+        self,
+        messages: Any,
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        **overrides: Any,
     ) -> Iterator[Chunk]:
         """The server's own chat (``/v1/chat/completions``, its template), unless the config
-        gives a ``chat_template``: then it is rendered here and sent to ``/v1/completions``."""
+        gives a ``chat_template``: then it is rendered here and sent to ``/v1/completions``, and
+        ``tools`` work as in-process (rendered and parsed here). Tools are not sent to a
+        server's own chat yet: without a ``chat_template`` they are ``UnsupportedParameter``."""
         if self.config.chat_template:
-            return super().stream_chat(messages, params, **overrides)
+            return super().stream_chat(messages, params, tools=tools, tool_choice=tool_choice, **overrides)
+        self._no_tools(tools, tool_choice)
         sp = self._params(params, overrides)
         t0 = perf_counter()
         self._enter()  # EngineClosed now, not at the first token
@@ -337,19 +369,38 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         return self._drive(call, sp, t0)
 
     async def astream_chat(
-        self, messages: Any, params: SamplingParams | Mapping[str, Any] | None = None, **overrides: Any
+        self,
+        messages: Any,
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        **overrides: Any,
     ) -> AsyncIterator[Chunk]:
         """Async ``stream_chat``."""
         if self.config.chat_template:
-            async for chunk in super().astream_chat(messages, params, **overrides):
+            chunks = super().astream_chat(messages, params, tools=tools, tool_choice=tool_choice, **overrides)
+            async for chunk in chunks:
                 yield chunk
             return
+        self._no_tools(tools, tool_choice)
         sp = self._params(params, overrides)
         if not self.loaded:
             raise self._closed_error()
         call = self._chat_call(messages, sp)
         async for chunk in self._adrive(call, sp, perf_counter()):
             yield chunk
+
+    def _no_tools(self, tools: Any, tool_choice: Any) -> None:
+        given = [n for n, v in (("tools", tools), ("tool_choice", tool_choice)) if v is not None]
+        if given:
+            raise UnsupportedParameter(
+                self.name,
+                given,
+                hint="openai-http does not send tools to a server's own chat yet (its tool-call "
+                "deltas are not read); set chat_template in the engine config to render the tools "
+                "here and parse the calls from the reply, as in-process engines do.",
+            )
 
     # ---- tokenizer, kv_stats, close ----
 
