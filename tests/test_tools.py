@@ -21,9 +21,9 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 
-from unillm import ConfigError, UnsupportedParameter
-from unillm._tools import InvalidTools, ToolCallParseError, parse_tool_calls, read_tools
-from unillm._types import Capabilities, ChatMessage, SamplingParams, ToolCall
+from unillm import ConfigError, InvalidTools, ToolCall, ToolCallParseError, UnsupportedParameter
+from unillm._tools import parse_tool_calls, read_tools
+from unillm._types import Capabilities, ChatMessage, SamplingParams
 from unillm.testing import MockEngine, TinyModel
 
 from ._server_util import start_server

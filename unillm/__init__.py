@@ -69,6 +69,9 @@ _LAZY = {
     "ContextLengthExceeded": "unillm._errors",
     "GenerationError": "unillm._errors",
     "StructuredOutputError": "unillm._structured",
+    "ToolCall": "unillm._types",
+    "InvalidTools": "unillm._tools",
+    "ToolCallParseError": "unillm._tools",
     "EngineClosed": "unillm._errors",
     "PluginError": "unillm._errors",
 }
@@ -90,6 +93,7 @@ __all__ = [
     "GPU",
     "GenerationError",
     "Hardware",
+    "InvalidTools",
     "KVStats",
     "ModelFormatError",
     "ModelInfo",
@@ -108,6 +112,8 @@ __all__ = [
     "StructuredOutputError",
     "Suitability",
     "Timings",
+    "ToolCall",
+    "ToolCallParseError",
     "UnillmError",
     "UnillmWarning",
     "UnknownBackend",
@@ -155,6 +161,8 @@ if TYPE_CHECKING:
     from unillm._plan import Placement, Plan, Workload, plan
     from unillm._plugins import BackendInfo, Registry, backends
     from unillm._select import Candidate, Selection, select
+    from unillm._structured import StructuredOutputError
+    from unillm._tools import InvalidTools, ToolCallParseError
     from unillm._types import (
         Availability,
         Capabilities,
@@ -166,6 +174,7 @@ if TYPE_CHECKING:
         SamplingParams,
         Suitability,
         Timings,
+        ToolCall,
         Usage,
     )
     from unillm.hookspecs import hookimpl
