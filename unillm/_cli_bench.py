@@ -21,6 +21,8 @@ from unillm._cli_common import _bad, _console, _reported
 
 __all__ = ["bench_app"]
 
+_EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C: what was measured is written
+
 
 class _RunByDefault(TyperGroup):
     """``unillm bench MODEL ...`` means ``unillm bench run MODEL ...``."""
@@ -135,7 +137,10 @@ def run_cmd(
         typer.Option(help="Load every backend; run each level on each in turn (fairer on a shared machine)."),
     ] = False,
 ) -> None:
-    """Run a benchmark; one JSON result per engine under --out, the table on stdout."""
+    """Run a benchmark; one JSON result per engine under --out, the table on stdout.
+
+    Ctrl-C ends it early: what was measured is written, marked partial, and the exit status is 130.
+    """
     from unillm.bench._api import bench_backends, bench_url
     from unillm.bench._report import plot, table
     from unillm.bench._result import write_result
@@ -208,6 +213,8 @@ def run_cmd(
         if plots:
             for path in plot(results, out, stem=f"bench-{stamp}"):
                 _console(stderr=True).print(f"wrote {path}", highlight=False)
+    if any(r["partial"] for r in results):
+        raise typer.Exit(_EXIT_INTERRUPTED)
 
 
 @bench_app.command("compare")
