@@ -25,15 +25,16 @@ def test_openai_http_plugin_tests_pass(env: dict[str, str]) -> None:
     out = run(
         ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
         plugin_env,
-        timeout=400,
+        timeout=1200,  # vLLM's server alone takes a minute to start here, several under load
     )
     passed = int(re.findall(r"(\d+) passed", out)[-1])
     skipped = re.findall(r"(\d+) skipped", out)
-    # 49 with every server here (unillm serve on llama.cpp, llama-cpp-python's, mlx_lm's); the
-    # offline ones (hook, options, /metrics of each family, retries against a scripted server) always
-    assert passed >= 9, out
+    # 99 with every server here (unillm serve on llama.cpp, vLLM's, llama-cpp-python's, mlx_lm's);
+    # the offline ones (hook, options, /metrics of each family, the wire against a scripted server)
+    # always
+    assert passed >= 20, out
     if not skipped:
-        assert passed >= 49, out
+        assert passed >= 99, out
     assert not re.search(r"\d+ (failed|error)", out), out
 
 

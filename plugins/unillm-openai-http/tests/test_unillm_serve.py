@@ -153,13 +153,18 @@ def test_chat_goes_through_the_servers_template(engine: OpenAIHTTPEngine, local:
 def test_a_configured_chat_template_is_rendered_here(server: Proc, local: Any) -> None:
     config = {
         "model": "tiny",
-        "chat_template": "{{ messages[-1]['content'] }}!",
+        "chat_template": "{{ messages[-1]['content'] }}!"
+        "{% for t in tools or [] %} {{ t.function.name }}{% endfor %}",
         "options": {"base_url": server.url},
     }
     with OpenAIHTTPEngine(config) as e:
         assert e.render_chat(HELLO) == "Say hello.!"
         assert e.chat(HELLO, GREEDY).text == local.generate("Say hello.!", GREEDY).text
         assert asyncio.run(e.achat(HELLO, GREEDY)).text == local.generate("Say hello.!", GREEDY).text
+        # tools are rendered here too, as in-process (the tiny model calls none: plain text back)
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+        said = e.chat(HELLO, GREEDY, tools=[tool])
+        assert said.text == local.generate("Say hello.! lookup", GREEDY).text and not said.tool_calls
 
 
 def test_tokenizer_round_trip_is_the_engines(engine: OpenAIHTTPEngine, local: Any) -> None:
