@@ -59,10 +59,12 @@ class Facts:
     @functools.cached_property
     def model(self) -> ModelInfo | None:
         from unillm._errors import UnillmError
-        from unillm._plugins import default_registry
+        from unillm._inspect import inspect_model
 
+        # auto_engine hands in the registry's inspection (a plugin's format included); an engine
+        # built directly gets unillm's own, which its backend can refine
         try:
-            return default_registry().inspect_model(self.path)  # a plugin's format included
+            return inspect_model(self.path)
         except UnillmError:
             return None
 
