@@ -9,6 +9,7 @@ compared only when their workloads are equal (``unillm bench compare`` checks).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,7 +190,10 @@ def load_workload(source: str | Path | dict[str, Any] | Workload) -> Workload:
         if value is None:
             raise ConfigError(f"{str(path)!r} defines no WORKLOAD (a unillm.bench.Workload or a dict)")
         return load_workload(value)
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the tomli backport (a core dependency there)
+        import tomli as tomllib
 
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
