@@ -123,6 +123,10 @@ def plan_cmd(
     concurrency: ConcurrencyOpt = 1,
     goal: GoalOpt = "latency",
     hardware: HardwareOpt = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="Plan for this engine's measured memory model (llama.cpp, mlx, vllm; CPU only)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Will MODEL fit, where, and how fast can decode be? (memory and bandwidth math)
@@ -134,7 +138,7 @@ def plan_cmd(
 
     wl = _workload(context, concurrency, goal)
     with _reported():
-        result = plan(default_registry().inspect_model(model), _hardware(hardware), wl)
+        result = plan(default_registry().inspect_model(model), _hardware(hardware), wl, backend=backend)
     if as_json:
         _dump(result)
     else:
@@ -152,6 +156,8 @@ def _print_plan(result: Any) -> None:
         f"total     {result.total_bytes / gib:8.2f} GiB: {'fits' if result.fits else 'does NOT fit'}, "
         f"headroom {result.headroom_bytes / gib:.2f} GiB"
     )
+    if result.resident_bytes is not None and result.resident_bytes != result.total_bytes:
+        print(f"resident  {result.resident_bytes / gib:8.2f} GiB once loaded (total: at a full context)")
     for p in result.placements:
         print(f"  {p.device}: weights {p.weights_bytes / gib:.2f} GiB, kv {p.kv_bytes / gib:.2f} GiB")
     if result.gpu_layers is not None:

@@ -20,9 +20,14 @@ Formulas:
 - **KV total** = KV per token x context x concurrency (an upper bound: paged attention allocates
   what is used, and shared prefixes share blocks).
 - **overhead per device** = ``FIXED_OVERHEAD_BYTES`` (512 MiB: CUDA context, cuBLAS/Metal
-  workspaces, allocator slack; ``CPU_FIXED_OVERHEAD_BYTES``, 32 MiB, on a CPU-only machine, as
-  measured here) + ``ACTIVATION_BYTES`` (2) x context x hidden_size (f16 activations
-  and compute buffers of one context-long prefill; replicated on every device that computes).
+  workspaces, allocator slack; ``CPU_FIXED_OVERHEAD_BYTES``, 32 MiB, on a CPU-only machine) +
+  ``ACTIVATION_BYTES`` (2) x context x hidden_size (f16 activations of one context-long prefill;
+  replicated on every device that computes). Generic: it undercounts an engine that holds
+  attention scores (docs/planner.md, "Calibrated on this machine").
+- **with a backend** (``plan(..., backend=...)``, CPU-only machines): ``ENGINE_MEMORY``'s
+  measured model replaces the overhead: runtime + one prefill step's compute (chunk x context
+  attention scores and mask, chunk x activation rows); KV in the engine's cache dtype and growth
+  step; ``resident_bytes`` = W + runtime (+ KV allocated at load), ``total_bytes`` the bound.
 - **budget per device** = capacity x (1 - ``RESERVE_FRACTION``) where ``RESERVE_FRACTION`` = 0.05
   is kept free. Capacity: a GPU's free memory (else its total); Apple's GPU working set
   ``gpu_usable_memory_bytes`` (else ``APPLE_DEFAULT_WORKING_SET`` x RAM); system RAM available
@@ -71,12 +76,83 @@ GiB = 1 << 30
 GB = 10**9
 
 FIXED_OVERHEAD_BYTES = 512 * MiB
-#: CPU-only machines: no CUDA context; the built-in engines took ~24 MiB beyond weights and KV here
-#: (benchmarks/plan_vs_actual.py)
+#: CPU-only machines: no CUDA context; the built-in engines' runtimes took 18-24 MiB here
 CPU_FIXED_OVERHEAD_BYTES = 32 * MiB
 """Per device: CUDA context (300-500 MiB), cuBLAS/Metal workspaces, allocator slack."""
 ACTIVATION_BYTES = 2
 """Bytes per element of activations/compute buffers, counted as context x hidden_size per device."""
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """How one engine spends memory around the weights and the KV cache, measured on the CPU by
+    benchmarks/plan_vs_actual.py (docs/planner.md, "Calibrated on this machine"). ``plan(...,
+    backend=name)`` uses it; without a backend the generic overhead formula applies.
+
+    The compute term is one prefill step's working set: a chunk of ``prefill_chunk`` prompt tokens
+    attends to the whole context, and an engine without flash attention holds the chunk x context
+    x heads attention scores (``score_bytes`` per score: f32 scores, plus the copies the engine
+    makes) and a chunk x context mask (``mask_bytes`` per element), beside ``row_floats`` f32
+    activations per chunk token (residual stream, norm, MLP and logits rows; fitted, below).
+    """
+
+    runtime_bytes: int
+    """Fixed allocations at load beyond weights, KV and compute buffers: thread pools, tokenizer,
+    graph metadata; for vLLM a second interpreter (EngineCore) with torch imported."""
+    prefill_chunk: int
+    """Prompt tokens one forward pass takes (llama.cpp ``n_ubatch``, mlx-lm ``prefill_step_size``)."""
+    score_bytes: float
+    """Bytes held per attention score at the peak of a prefill step (0 under flash attention)."""
+    mask_bytes: float = 4.0
+    """Bytes per element of the chunk x context attention mask."""
+    kv_in_weights_dtype: bool = False
+    """The cache takes the dtype the weights run in (mlx-lm; unillm's vLLM runs the checkpoint's
+    dtype), not the workload's ``kv_cache_dtype`` (llama.cpp's ``kv_cache_type``, f16 by default)."""
+    kv_step: int = 1
+    """The cache grows in steps of this many tokens (mlx-lm: 256)."""
+    kv_upfront: bool = True
+    """The whole cache is allocated and written (zeroed) at load; else it grows as tokens arrive."""
+    kv_regrow_copies: float = 0.0
+    """Extra cache-sized buffers a growing cache leaves resident (mlx-lm concatenates the old
+    cache with a new step; the old one stays in MLX's buffer cache)."""
+    row_floats_per_hidden: float = 5.0
+    """Activation floats per chunk token, as a multiple of hidden_size (plus one row of logits)."""
+    kv_min_sequences: int = 1
+    """The cache is sized for at least this many sequences (vLLM's CPU pool: 16)."""
+    kv_floor_bytes: int = 0
+    """The cache is never smaller than this (vLLM's CPU pool: 256 MiB)."""
+    kv_ram_share: float = 0.0
+    """The cache is at most this share of the RAM available, never less than one workload (0: no cap)."""
+
+
+ENGINE_MEMORY: dict[str, EngineMemory] = {
+    # llama.cpp 0.3.36 (llama-cpp-python), f16 KV, n_ubatch 512, no flash attention (unillm's
+    # defaults). At load it maps the weights and zeroes the whole KV buffer (both resident); its
+    # compute buffer, which llama.cpp itself sizes at chunk x context x (4 x heads + 4) bytes of
+    # scores and mask plus the activation rows (its log's "compute buffer size", checked on two
+    # shapes), is reserved but touched only by the first long prefill. Beside it, ggml converts
+    # the f32 scores to f16 to multiply them by the f16 V cache: 2 bytes more per score, of which
+    # ~1.3 were resident (score_bytes 4 + 1.3).
+    "llama.cpp": EngineMemory(runtime_bytes=24 * MiB, prefill_chunk=512, score_bytes=5.3),
+    # mlx 0.32.4 / mlx-lm 0.32.2 on the CPU: the cache takes the weights' dtype (f32 for the f32
+    # tiny models: twice the f16 the generic plan assumes) and grows in steps of 256 tokens, so a
+    # loaded model holds only its weights; a prefill step of 2048 tokens (prefill_step_size)
+    # materializes f32 scores and a f32 mask (the CPU has no fused attention) and the MLP's rows
+    # (gate, up and their product: ~9 x hidden floats per token), which MLX's buffer cache keeps
+    # until it is cleared: the peak of a filled context is several times the weights.
+    "mlx": EngineMemory(
+        runtime_bytes=18 * MiB,
+        prefill_chunk=2048,
+        score_bytes=4.0,
+        kv_in_weights_dtype=True,
+        kv_step=256,
+        kv_upfront=False,
+        row_floats_per_hidden=9.0,
+    ),
+}
+"""Per backend name, measured on this project's CPU machine (benchmarks/plan_vs_actual.py);
+``plan(..., backend=...)`` applies one only on a CPU-only machine, where it was measured."""
+
 
 BITS_PER_WEIGHT: dict[str, float] = {
     # GGUF, whole-file averages (the _M/_L mixes keep some tensors in a larger type)
@@ -128,7 +204,8 @@ class Workload:
 class Plan:
     """The planner's answer. Every byte figure is an estimate from headers, explained in ``notes``.
 
-    ``total_bytes`` = weights + KV + overhead; ``headroom_bytes`` is what the devices used have
+    ``total_bytes`` = weights + KV + overhead, the upper bound once the context is full;
+    ``resident_bytes`` is what is held right after load; ``headroom_bytes`` is what the devices used have
     left beyond the reserve (negative: short by that much). ``decode_tokens_per_s_ceiling`` is per
     sequence; ``aggregate_decode_tokens_per_s_ceiling`` is for all ``concurrency`` sequences.
     """
@@ -149,14 +226,24 @@ class Plan:
     parallelism: Literal["tensor", "pipeline"] | None = None
     active_weights_bytes: int | None = None
     aggregate_decode_tokens_per_s_ceiling: float | None = None
+    resident_bytes: int | None = None
+    """What the engine holds once loaded, before any token: ``total_bytes`` for an engine that
+    allocates everything up front or an unknown engine; less for one that grows its cache and
+    compute buffers as tokens arrive (mlx). ``fits`` and ``headroom_bytes`` are always against
+    ``total_bytes``, the bound at a full context."""
 
 
-def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None) -> Plan:
+def plan(
+    model: ModelInfo, hardware: Hardware, workload: Workload | None = None, *, backend: str | None = None
+) -> Plan:
     """Plan ``model`` on ``hardware`` for ``workload`` (default: 4096 tokens, one sequence).
 
     :param model: what the model is (a ``ModelInfo`` from ``inspect_model`` or a literal).
     :param hardware: the machine (a ``Hardware`` from ``detect_hardware``, a profile or a literal).
     :param workload: context length, concurrency and KV cache dtype.
+    :param backend: the engine that will run it, when known: a backend of ``ENGINE_MEMORY``
+        (llama.cpp, mlx, vllm) is planned with its measured memory model on a CPU-only machine
+        (its cache dtype and growth, its compute buffers, its runtime); else the generic formula.
     :returns: the memory needed, where it goes, whether it fits and the decode speed ceiling;
         the formulas are in this module's docstring and docs/planner.md.
     """
@@ -167,8 +254,12 @@ def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None)
 
     weights = _weights_bytes(model, notes)
     active = _active_weights_bytes(model, weights, notes)
-    kv_per_token = _kv_bytes_per_token(model, wl.kv_cache_dtype, notes)
+    engine = _engine_memory(backend, hardware)
+    kv_dtype_name = _engine_kv_dtype(model, engine, wl.kv_cache_dtype)
+    kv_per_token = _kv_bytes_per_token(model, kv_dtype_name, notes)
     kv_total = kv_per_token * context * concurrency
+    if engine is not None:
+        kv_total = _engine_kv_bytes(engine, kv_per_token, context, concurrency, hardware)
     if concurrency > 1:
         notes.append(
             f"KV cache sized for {concurrency} sequences of {context} tokens each: an upper bound"
@@ -178,8 +269,21 @@ def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None)
         notes.append(f"context {context} is longer than the model's trained {model.context_length} tokens")
     if model.hybrid_attention:
         notes.append("hybrid attention: KV counted as if every layer were full attention (an upper bound)")
-    fixed = FIXED_OVERHEAD_BYTES if hardware.gpus or hardware.apple_silicon else CPU_FIXED_OVERHEAD_BYTES
-    per_device_overhead = fixed + _activation_bytes(model, context, notes)
+    if engine is None:
+        fixed = FIXED_OVERHEAD_BYTES if hardware.gpus or hardware.apple_silicon else CPU_FIXED_OVERHEAD_BYTES
+        per_device_overhead = fixed + _activation_bytes(model, context, notes)
+        resident_extra = None
+    else:
+        compute = _compute_bytes(model, engine, context)
+        regrow = round(kv_total * engine.kv_regrow_copies)
+        per_device_overhead = engine.runtime_bytes + compute + regrow
+        resident_extra = engine.runtime_bytes + (kv_total if engine.kv_upfront else 0)
+        notes.append(
+            f"{backend}'s memory as measured on a CPU: {kv_dtype_name} KV cache "
+            + ("allocated at load" if engine.kv_upfront else "grown as tokens arrive")
+            + f", {compute / MiB:.1f} MiB for a {min(context, engine.prefill_chunk)}-token prefill step, "
+            f"{engine.runtime_bytes / MiB:.0f} MiB runtime"
+        )
 
     attempts = _attempts(model, hardware, weights, kv_total, per_device_overhead, notes)
     chosen = next((a for a in attempts if a.fits), None)
@@ -192,6 +296,7 @@ def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None)
 
     overhead = sum(p.overhead_bytes for p in chosen.placements)
     total = weights + kv_total + overhead
+    resident = total if resident_extra is None else weights + resident_extra
     read_per_step = active + kv_per_token * context * concurrency
     step_s = _step_seconds(chosen, read_per_step, weights + kv_total, notes) if weights else None
     per_seq = aggregate = bandwidth = None
@@ -220,6 +325,7 @@ def plan(model: ModelInfo, hardware: Hardware, workload: Workload | None = None)
         parallelism=chosen.parallelism,
         active_weights_bytes=active,
         aggregate_decode_tokens_per_s_ceiling=aggregate,
+        resident_bytes=resident,
     )
 
 
@@ -296,6 +402,47 @@ def _kv_bytes_per_token(model: ModelInfo, dtype: str, notes: list[str]) -> int:
         notes.append("layers, KV heads or head_dim unknown: the KV cache is not counted")
         return 0
     return kv_bytes_per_token(model.layers, kv_heads, head_dim, dtype)
+
+
+def _engine_memory(backend: str | None, hardware: Hardware) -> EngineMemory | None:
+    """The measured memory model of ``backend``: on a CPU-only machine only, where it was measured."""
+    if backend is None or hardware.gpus or hardware.apple_silicon:
+        return None
+    return ENGINE_MEMORY.get(backend.strip().lower().replace("llamacpp", "llama.cpp"))
+
+
+def _engine_kv_dtype(model: ModelInfo, engine: EngineMemory | None, asked: str) -> str:
+    """The cache's element type: the workload's, or for an engine whose cache takes the weights'
+    dtype, f32 for f32 weights and f16 for anything narrower (quantized weights run f16)."""
+    if engine is None or not engine.kv_in_weights_dtype or asked != "f16":
+        return asked
+    bpw = model.bits_per_weight or bits_per_weight(model.quantization)
+    return "f32" if bpw is not None and bpw >= 32 else "f16"
+
+
+def _engine_kv_bytes(
+    engine: EngineMemory, per_token: int, context: int, concurrency: int, hardware: Hardware
+) -> int:
+    """The cache the engine allocates: whole ``kv_step``s of tokens per sequence, and at least
+    ``kv_min_sequences`` sequences and ``kv_floor_bytes`` (vLLM's CPU pool), at most
+    ``kv_ram_share`` of the RAM available."""
+    tokens = -(-context // engine.kv_step) * engine.kv_step
+    kv = per_token * tokens * max(concurrency, engine.kv_min_sequences)
+    kv = max(kv, engine.kv_floor_bytes)
+    if engine.kv_ram_share:
+        ram = hardware.ram_available_bytes or hardware.ram_total_bytes
+        if ram:
+            kv = max(min(kv, int(ram * engine.kv_ram_share)), per_token * tokens * concurrency)
+    return kv
+
+
+def _compute_bytes(model: ModelInfo, engine: EngineMemory, context: int) -> int:
+    """One prefill step's working set: a chunk of prompt tokens against the whole context."""
+    chunk = min(context, engine.prefill_chunk)
+    heads, hidden = model.heads or 0, model.hidden_size or 0
+    scores = chunk * context * (heads * engine.score_bytes + engine.mask_bytes)
+    rows = chunk * 4 * (engine.row_floats_per_hidden * hidden + (model.vocab_size or 0))
+    return round(scores + rows)
 
 
 def _activation_bytes(model: ModelInfo, context: int, notes: list[str]) -> int:
