@@ -222,6 +222,8 @@ def test_kv_stats_come_from_vllms_metrics(engine: OpenAIHTTPEngine, server: Proc
     idle = engine.kv_stats()
     # the capacity from vllm:cache_config_info: the 64 MiB asked for, at 1 KiB a token
     assert (idle.capacity_tokens, idle.block_size, idle.total_blocks) == (KV_BYTES >> 10, BLOCK, 512)
+    assert (idle.capacity_bytes, idle.bytes_per_token) == (KV_BYTES, 1024)  # its kv_cache_memory_bytes
+    assert idle.dtype is None  # cache_dtype "auto": the model's, which /metrics does not name
     assert kv_from_metrics(httpx.get(server.url + "/metrics").text, engine._served).capacity_tokens == 65536
     # a prompt of whole blocks and a bit, sent twice: the second finds all but its last block cached
     ids = engine.tokenize("KV probe: the quick brown fox jumps over the lazy dog. " * 40)[:300]
@@ -244,7 +246,7 @@ def test_kv_stats_come_from_vllms_metrics(engine: OpenAIHTTPEngine, server: Proc
 
     busy = wait_until(in_use, 30, "a block in use")
     assert busy is not None and busy.used_blocks is not None
-    assert busy.used_tokens == busy.used_blocks * BLOCK
+    assert busy.used_tokens == busy.used_blocks * BLOCK and busy.used_bytes == busy.used_tokens * 1024
     stream.close()  # type: ignore[attr-defined]
     wait_until(lambda: engine.kv_stats().used_blocks == 0, 30, "the aborted request's blocks freed")
 

@@ -68,6 +68,7 @@ unillm:prefix_cache_hits_total{backend="llama.cpp",model_name="b"} 0.0
             "/m",
             KVStats(
                 capacity_tokens=65536, used_tokens=256, block_size=128, total_blocks=512, used_blocks=2,
+                bytes_per_token=1024, capacity_bytes=64 << 20, used_bytes=256 << 10,
                 prefix_cache_queries=638, prefix_cache_hits=256,
             ),
         ),

@@ -6,8 +6,9 @@ found wins, in this order):
 - vLLM: ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``; a fraction of the
   blocks), the counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (in prompt
   tokens; hits are whole blocks), and the labels of ``vllm:cache_config_info`` (``block_size``,
-  ``num_gpu_blocks``, and where it has it (0.32 does) ``kv_cache_size_tokens``, the capacity
-  vLLM itself states; else blocks times the block size).
+  ``num_gpu_blocks``, and where it has them (0.32 does) ``kv_cache_size_tokens``, the capacity
+  vLLM itself states, else blocks times the block size, and ``kv_cache_memory_bytes``: the bytes,
+  and the bytes per token where they divide exactly; ``cache_dtype`` unless it is ``auto``).
 - SGLang: ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:page_size``.
 - llama.cpp's ``llama-server --metrics``: ``llamacpp:kv_cache_tokens``,
   ``llamacpp:kv_cache_usage_ratio`` (capacity = tokens / ratio, when the ratio is above zero).
@@ -100,9 +101,19 @@ def _vllm(s: _Scrape) -> KVStats:
     block, blocks = _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks")
     cap = _int_label(info, "kv_cache_size_tokens") or (block * blocks if block and blocks else None)
     used_blocks = round(perc * blocks) if perc is not None and blocks else None
+    used = round(perc * cap) if perc is not None and cap else None
+    # the bytes only where they are the cache's exactly (a size asked for and rounded down to
+    # whole blocks leaves a remainder: then no byte figure at all rather than a wrong one)
+    size = _int_label(info, "kv_cache_memory_bytes")
+    bpt = size // cap if size and cap and size % cap == 0 else None
+    dtype = info.get("cache_dtype")
     return KVStats(
         capacity_tokens=cap,
-        used_tokens=round(perc * cap) if perc is not None and cap else None,
+        used_tokens=used,
+        bytes_per_token=bpt,
+        capacity_bytes=size if bpt else None,
+        used_bytes=used * bpt if bpt and used is not None else None,
+        dtype=dtype if dtype and dtype not in ("auto", "None") else None,
         block_size=block,
         total_blocks=blocks,
         used_blocks=used_blocks,
