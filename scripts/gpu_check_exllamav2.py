@@ -4,7 +4,10 @@
 
 HF_DIR is an unquantized Hugging Face model directory (scripts/gpu_check.sh builds the tiny one and
 writes an FP16 copy). The checks: greedy token parity with exllamav2's dynamic generator called
-directly, streaming, 8 concurrent requests, KV-cache statistics, timings, prefix reuse. Exits 1 if
+directly, streaming, 8 concurrent requests, KV-cache statistics, timings, prefix reuse, and
+structured output (a JSON schema, a regex and a choice enforced by the llguidance filter at
+temperature 1 over seeds, concurrent jobs under different formats, tok/s with and without a
+schema). Exits 1 if
 any check fails. tests/test_exllamav2.py runs this same script against the fake exllamav2, so its
 logic is tested without a GPU; on the fake there is no torch and the device line says so.
 """
@@ -22,6 +25,32 @@ from typing import Any
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "0 1 2 3 4 5 6 7 8 9"]
 N = 24
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["pickup", "delivery"]},
+        "n": {"type": "integer", "minimum": 3, "maximum": 9},
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                    "qty": {"type": "integer"},
+                },
+                "required": ["sku", "qty"],
+                "additionalProperties": False,
+            },
+        },
+        "gift": {"type": "boolean"},
+    },
+    "required": ["kind", "n", "items", "gift"],
+    "additionalProperties": False,
+}
+REGEX = r"[A-Z][a-z]{2,8} [0-9]{1,4}"
+CHOICES = ["yes", "no", "maybe so"]
 
 
 def direct_greedy(model_dir: str, context: int, paged: bool) -> list[list[int]]:
@@ -66,7 +95,7 @@ def main() -> int:
 
     import exllamav2
 
-    from unillm import SamplingParams, auto_engine
+    from unillm import SamplingParams, StructuredOutputError, auto_engine
 
     torch = sys.modules.get("torch")
     device = torch.cuda.get_device_name(0) if torch is not None else "no torch (the fake exllamav2)"
@@ -156,12 +185,64 @@ def main() -> int:
         cached = again.usage.cached_prompt_tokens or 0
         return cached >= 256 or not paged, f"{cached} of {again.usage.prompt_tokens} prompt tokens cached"
 
+    def structured() -> tuple[bool, str]:
+        import re
+
+        import jsonschema
+
+        hot = SamplingParams(temperature=1.0, max_tokens=300)
+        validator = jsonschema.Draft202012Validator(SCHEMA)
+        finished = valid = 0
+        for seed in range(8):
+            done = engine.generate("Order:", hot, response_format=SCHEMA, seed=seed)
+            if done.finish_reason == "stop":
+                finished += 1
+                valid += not list(validator.iter_errors(done.parsed()))
+        regex = {"type": "regex", "pattern": REGEX}
+        matched = sum(
+            re.fullmatch(REGEX, engine.generate("x", hot, response_format=regex, seed=s).text) is not None
+            for s in range(8)
+        )
+        choice = {"type": "choice", "choices": CHOICES}
+        chosen = sum(
+            engine.generate("x", hot, response_format=choice, seed=s).text in CHOICES for s in range(8)
+        )
+        formats: list[Any] = [SCHEMA, regex, choice, SCHEMA]
+
+        async def run() -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    *(engine.agenerate("x", hot, response_format=f, seed=i) for i, f in enumerate(formats))
+                )
+            )
+
+        def keeps(done: Any) -> bool:  # parse() raises on output that breaks the format
+            try:
+                return done.finish_reason != "stop" or done.parsed() is not None
+            except StructuredOutputError:
+                return False
+
+        kept = sum(keeps(d) for d in asyncio.run(run()))
+
+        def tps(**kw: Any) -> float:
+            t = engine.generate("x", hot, seed=0, max_tokens=60, ignore_eos=not kw, **kw).timings
+            return t.decode_tokens_per_s or 0.0
+
+        plain, constrained = tps(), tps(response_format=SCHEMA)
+        ok = finished >= 6 and valid == finished and matched == 8 and chosen == 8 and kept == len(formats)
+        return ok, (
+            f"schema {valid}/{finished} finished valid (of 8), regex {matched}/8, choice {chosen}/8, "
+            f"{kept}/{len(formats)} concurrent kept their format; decode {constrained:.0f} tok/s under "
+            f"the schema vs {plain:.0f} without"
+        )
+
     for name, fn in [
         ("greedy parity", parity),
         ("streaming", streaming),
         ("concurrent jobs", concurrent),
         ("kv_stats", kv_stats),
         ("prefix reuse", prefix_reuse),
+        ("structured output", structured),
     ]:
         check(name, fn)
     engine.close()

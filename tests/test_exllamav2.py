@@ -697,7 +697,7 @@ def test_gpu_check_script_runs_against_the_fake(tiny: TinyModel) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all checks passed" in out.stdout
-    for check in ("greedy parity", "streaming", "concurrent jobs", "kv_stats"):
+    for check in ("greedy parity", "streaming", "concurrent jobs", "kv_stats", "structured output"):
         assert check in out.stdout
 
 

@@ -7,6 +7,7 @@ stop token ids go into each job's stop conditions, so generation ends inside exl
 base class's stop matching stays as an identical second check. The KV cache is one pool shared by
 all jobs, in 256-token pages; full pages of finished prompts stay for prefix reuse, reported as
 cached tokens. exllamav2 has no chat templates: the model's HF template renders in unillm's sandbox.
+A response format becomes a sampling filter of the job, backed by llguidance (_exllamav2_format.py).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ ASSUME_GPU_ENV = "UNILLM_EXLLAMAV2_ASSUME_GPU"
 _DEFAULT_CONTEXT = 4096
 _PAGE = 256  # exllamav2's cache page; the cache holds whole pages
 _DRAFT_TOKENS = 4  # tokens a draft model proposes per step
+_Prepared = tuple[list[int], Any, list[Any]]  # a request's prompt ids, its tensor, its job's filters
 
 
 # ---- options ----
@@ -146,7 +148,8 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
     name: ClassVar[str] = "exllamav2"
     formats: ClassVar[frozenset[str]] = frozenset({"exl2", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING - {"logprobs", "logit_bias"},
+        # response_format: a job filter over llguidance (engines/_exllamav2_format.py)
+        sampling=(STANDARD_SAMPLING | {"response_format"}) - {"logprobs", "logit_bias"},
         batching=False,  # True on an engine in paged mode (the dynamic generator batches jobs)
         devices=frozenset({"cuda", "rocm"}),
     )
@@ -216,6 +219,8 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             import exllamav2 as exl
             from exllamav2 import attn
             from exllamav2.generator import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+            from unillm.engines._exllamav2_format import Formats  # it subclasses exllamav2's filter
         except (ImportError, OSError, RuntimeError) as exc:  # its import builds a CUDA extension
             raise BackendUnavailable(self.name, f"exllamav2 failed to import: {exc}", INSTALL_HINT) from exc
 
@@ -294,6 +299,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         # the model's declared end-of-sequence set (unillm._eos), the same on every backend
         self.eos_token_ids = eos_from_hf_dir(path, to_id=tokenizer.single_id, vocab_size=self.vocab_size)
         self._eos = tuple(sorted(self.eos_token_ids))
+        self._formats = Formats(path, self.vocab_size, self._eos, model, tokenizer)  # llguidance, on use
         tok_cfg = tokenizer.tokenizer_config_dict or {}
         self._add_bos = bool(tok_cfg.get("add_bos_token", False))
         self._template = template(tok_cfg, path)
@@ -308,7 +314,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
 
     # ---- stream ----
 
-    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> _Prepared:
         tok = self._tokenizer
         if isinstance(prompt, str):
             add_bos = self._add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
@@ -326,12 +332,10 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                 "cache up front). Lower max_tokens, shorten the prompt or load with a larger max_seq_len.",
             )
             raise exc
-        return ids, tensor
+        return ids, tensor, self._formats.filters(params.output_format)  # compiled, or refused, now
 
-    def _stream(
-        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
-    ) -> Iterator[RawPiece]:
-        ids, tensor = prepared
+    def _stream(self, prepared: _Prepared, params: SamplingParams, req: Request) -> Iterator[RawPiece]:
+        ids, tensor, filters = prepared
         req.prompt_tokens = len(ids)
         stops: list[int | str] = [*params.stop_token_ids, *(() if params.ignore_eos else self._eos)]
         seed = params.seed if params.seed is not None else self.options.seed
@@ -342,6 +346,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             gen_settings=self._settings(params),
             seed=seed,
             stop_conditions=list(dict.fromkeys([*stops, *params.stop])),
+            filters=filters,  # the response format; its end tokens are the stop tokens above
         )
         runner = self._runner  # close() drops the attribute while this stream may still run
         live = runner.submit(job)

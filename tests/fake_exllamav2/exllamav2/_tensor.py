@@ -20,7 +20,7 @@ _CPU = _Device()
 
 class Tensor:
     """A CPU tensor over a numpy array: ``shape``, ``dim()``, indexing, iteration over rows,
-    ``tolist()``, ``item()``, ``new_tensor()``, ``clone()``, ``device``."""
+    ``tolist()``, ``item()``, ``int()``, ``new_tensor()``, ``clone()``, ``device``."""
 
     __slots__ = ("_a",)
 
@@ -47,6 +47,12 @@ class Tensor:
 
     def item(self) -> Any:
         return self._a.item()
+
+    def __int__(self) -> int:  # a one-element tensor, as torch allows (a filter's fed token)
+        return int(self._a.item())
+
+    def __index__(self) -> int:
+        return int(self._a.item())
 
     def numpy(self) -> Any:
         return self._a

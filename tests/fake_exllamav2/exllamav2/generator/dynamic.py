@@ -1,7 +1,12 @@
 """ExLlamaV2DynamicGenerator and ExLlamaV2DynamicJob: exllamav2's continuous-batching generator.
 
-The job queue, page table, chunked prefill, stop conditions and result dicts follow
-exllamav2/generator/dynamic.py (0.3.x); the forward pass is the fake model's table.
+The job queue, page table, chunked prefill, stop conditions, filters and result dicts follow
+exllamav2/generator/dynamic.py (0.3.x); the forward pass is the fake model's table. Filters as
+there: ``receive_logits`` begins a job's filters before its first token and samples under them,
+``receive_sample`` feeds each filter the sampled token (before any stop check) and queues the
+filters that use the background worker, whose ``next()`` the generator then runs on its thread
+pool while the next forward pass runs; a sampled end token ends the job (``eos_reason``
+"end_filter"), after the stop-token and ``max_new_tokens`` checks.
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import hashlib
 import itertools
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from exllamav2 import _fake
 from exllamav2._tensor import Tensor
 from exllamav2.attn import assert_paged_attn
 from exllamav2.cache import ExLlamaV2Cache_8bit
+from exllamav2.generator.filters import ExLlamaV2Filter
 from exllamav2.generator.sampler import ExLlamaV2Sampler
 
 PAGED_PAGE_SIZE = 256
@@ -207,6 +214,9 @@ class ExLlamaV2DynamicGenerator:
             assert self.max_chunk_size % self.page_size == 0, (
                 f"max_chunk_size must be multiple of {self.page_size}, received {max_chunk_size}"
             )
+        # filters' next() overlaps the forward pass on this pool (filter_background_eval)
+        self.filter_pool = ThreadPoolExecutor(max_workers=16) if filter_background_eval else None
+        self.filter_queue: list[tuple[ExLlamaV2Filter, bool]] | None = [] if filter_background_eval else None
         self.job_serial = 0
         self.pending_jobs: list[ExLlamaV2DynamicJob] = []
         self.active_jobs: list[ExLlamaV2DynamicJob] = []
@@ -285,13 +295,22 @@ class ExLlamaV2DynamicGenerator:
             return
         self.fake_batch_sizes.append(len(batch))
         _fake.step()
+        # the forward pass is scheduled: run the queued filters' next() meanwhile
+        if self.filter_queue:
+            assert self.filter_pool is not None
+            for f, p in self.filter_queue:
+                if p:
+                    f.background_prepare_logit_mask(self.filter_pool)
+                else:
+                    f.background_next(self.filter_pool)
+            self.filter_queue.clear()
         completed = []
         for job in batch:
             if job.time_first_token is None:
                 job.time_first_token = time.time()
             drafts = job.fake_draft(self.num_draft_tokens) if self.draft_model else []
             for i in range(len(drafts) + 1):
-                eos, token = job.receive_sample(job.fake_sample(), results)
+                eos, token = job.receive_sample(job.receive_logits(), results, i == 0)
                 if eos:
                     completed.append(job)
                     break
@@ -341,9 +360,7 @@ class ExLlamaV2DynamicJob:
         **kwargs: Any,
     ) -> None:
         assert all(ids.device.type == "cpu" for ids in input_ids), "input_ids must reside in system memory"
-        assert not (filters or token_healing or banned_strings or embeddings or return_top_tokens), (
-            "not faked"
-        )
+        assert not (token_healing or banned_strings or embeddings or return_top_tokens), "not faked"
         self.generator: ExLlamaV2DynamicGenerator | None = None
         self.serial_number: int | None = None
         self.identifier = identifier
@@ -371,6 +388,8 @@ class ExLlamaV2DynamicJob:
                 self.stop_strings.add(t)
             else:
                 raise ValueError("Unsupported type in stop_conditions")
+        self.filters: list[ExLlamaV2Filter] = filters if filters is not None else []
+        self.filter_prefer_eos = filter_prefer_eos
         self.stop_tokens_list = list(self.stop_tokens)
         self.stop_strings_list = list(self.stop_strings)
         self.time_enqueue: float | None = None
@@ -514,18 +533,26 @@ class ExLlamaV2DynamicJob:
         if seq.kv_position >= target:
             seq.prefill_complete = True
 
-    def fake_sample(self) -> tuple[int, float]:
+    def receive_logits(self) -> tuple[int, float, bool]:
+        """The next token, its probability and whether it ends a filter: the model's logits
+        sampled under the job's settings and filters (the filters begin before the first token)."""
         g, seq = self._gen, self.sequences[0]
+        if self.new_tokens == 0:
+            for f in self.filters:
+                f.background_drop()
+                f.begin("")
         blocked = self.stop_tokens_list if self.new_tokens < self.min_new_tokens else None
-        token, _, _, prob, _ = ExLlamaV2Sampler.sample(
+        token, _, _, prob, filter_eos = ExLlamaV2Sampler.sample(
             g.model.fake_logits(seq.sequence_ids),
             self.gen_settings,
             seq.sequence_ids,
             self.rng.random(),
             g.tokenizer,
             blocked_tokens=blocked,
+            filters=self.filters,
+            filter_prefer_eos=self.filter_prefer_eos,
         )
-        return int(token.item()), float(prob.item())
+        return int(token.item()), float(prob.item()), bool(filter_eos)
 
     def fake_draft(self, n: int) -> list[int]:
         ids = list(self.sequences[0].sequence_ids)
@@ -533,10 +560,27 @@ class ExLlamaV2DynamicJob:
             ids.append(int(self._gen.draft_model.fake_logits(ids).argmax()))
         return ids[-n:]
 
-    def receive_sample(self, sample: tuple[int, float], results: list[dict[str, Any]]) -> tuple[bool, int]:
+    def receive_sample(
+        self,
+        sample: tuple[int, float, bool],
+        results: list[dict[str, Any]],
+        first_sample_in_sd_batch: bool = True,
+    ) -> tuple[bool, int]:
         g, seq = self._gen, self.sequences[0]
         ps = g.page_size
-        token, prob = sample
+        token, prob, filter_eos = sample
+        # feed the filters (as a (1, 1) tensor, as exllamav2 does) and queue the background ones
+        all_mask = True
+        for f in self.filters:
+            f.feed(Tensor([[token]]))
+            if not f.can_mask_logits() or not f.use_background_worker():
+                all_mask = False
+        if first_sample_in_sd_batch and g.filter_queue is not None:
+            for f in self.filters:
+                if all_mask:
+                    g.filter_queue.append((f, True))
+                elif f.use_background_worker():
+                    g.filter_queue.append((f, False))
         self.new_tokens += 1
         assert seq.allocated_pages is not None
         page_before = seq.kv_position // ps
@@ -564,6 +608,8 @@ class ExLlamaV2DynamicJob:
             return self._emit(results, token, eos_reason="stop_token", stop_token=token)
         if self.new_tokens >= self.max_new_tokens - g.num_draft_tokens:
             return self._emit(results, token, emit_held=True, eos_reason="max_new_tokens")
+        if filter_eos:
+            return self._emit(results, token, emit_held=True, eos_reason="end_filter")
         if 1 <= self.held_text.count("\ufffd") < 5:
             test = g.tokenizer.decode(
                 Tensor([self.held_tokens]), decode_special_tokens=self.decode_special_tokens

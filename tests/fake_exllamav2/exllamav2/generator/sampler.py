@@ -1,4 +1,5 @@
-"""ExLlamaV2Sampler: its Settings dataclass and a numpy version of its sampling chain."""
+"""ExLlamaV2Sampler: its Settings dataclass and a numpy version of its sampling chain, filters
+included (exllamav2/generator/sampler.py, 0.3.x: ``sample``'s "Evaluate filters" block)."""
 
 from __future__ import annotations
 
@@ -77,9 +78,10 @@ class ExLlamaV2Sampler:
         filter_prefer_eos: bool = False,
         sync: bool = False,
     ) -> tuple[Tensor, None, None, Tensor, bool]:
-        """One token from 1-D ``logits``: penalties, temperature, top-k, top-p, min-p, then the
-        point ``random`` in [0, 1) of the remaining distribution (candidates by falling
-        probability), as exllamav2's sample_basic does."""
+        """One token from 1-D ``logits``: penalties, the filters' allowed tokens, temperature,
+        top-k, top-p, min-p, then the point ``random`` in [0, 1) of the remaining distribution
+        (candidates by falling probability), as exllamav2's sample_basic does. The last value
+        says whether the token is one of the filters' end tokens."""
         logits = np.array(logits, dtype=np.float64)
         s = settings
         if s.token_repetition_penalty != 1.0 or s.token_frequency_penalty or s.token_presence_penalty:
@@ -95,6 +97,34 @@ class ExLlamaV2Sampler:
                 logits[t] = x - s.token_frequency_penalty * c - s.token_presence_penalty
         if blocked_tokens:
             logits[blocked_tokens] = -1e30
+        filters = filters or []
+        assert not (filters and all(f.can_mask_logits() for f in filters)), "logit-mask filters: not faked"
+        end_tokens = None
+        if filters:  # the allowed sets intersect, the end sets unite; a filter may return None for either
+            pass_tokens = None
+            pts, ets = [], []
+            for f in filters:
+                pt, et = f.get_next()
+                if pt is not None:
+                    pts.append(pt)
+                    ets.append(et)
+            for pt0, et0 in zip(pts, ets, strict=True):
+                pt, et = (set(pt0), set(et0)) if len(pts) > 1 and not isinstance(pt0, set) else (pt0, et0)
+                if pt is not None:
+                    pass_tokens = pt if pass_tokens is None else pass_tokens & pt
+                if et is not None:
+                    end_tokens = et if end_tokens is None else end_tokens | et
+            if pass_tokens is not None:
+                assert len(pass_tokens), "Filter excluded all tokens"
+                if len(pass_tokens) == 1 and return_top_tokens == 0 and prefix_token is None:
+                    # one token passes: taken without sampling, probability 1
+                    single = next(iter(pass_tokens))
+                    return Tensor([[single]]), None, None, Tensor([[1.0]], np.float32), single in end_tokens
+                if filter_prefer_eos and tokenizer.eos_token_id in pass_tokens:
+                    pass_tokens = [tokenizer.eos_token_id]
+                keep = np.zeros(logits.shape[-1], dtype=bool)
+                keep[sorted(pass_tokens) if isinstance(pass_tokens, set) else pass_tokens] = True
+                logits[~keep] = -np.inf  # sample_basic's logit_filter: the rest are never drawn
         vs = tokenizer.get_vocab_size()
         if vs < logits.shape[-1]:
             logits[vs:] = -np.inf
@@ -112,6 +142,10 @@ class ExLlamaV2Sampler:
             n = min(n, int(np.searchsorted(np.cumsum(probs[:n]) / probs[:n].sum(), s.top_p)) + 1)
         if n > 1 and 0.0 < s.min_p < 1.0:
             n = max(1, int(np.sum(probs[:n] >= s.min_p * probs[0])))
+        if filters:  # never past the last allowed candidate (float rounding of the cumulative sum)
+            n = max(1, min(n, int(np.count_nonzero(probs > 0))))
         kept = probs[:n] / probs[:n].sum()
         idx = min(int(np.searchsorted(np.cumsum(kept), random, side="right")), n - 1)
-        return Tensor([[int(order[idx])]]), None, None, Tensor([[float(kept[idx])]], np.float32), False
+        token = int(order[idx])
+        end_filter = bool(filters) and end_tokens is not None and token in end_tokens
+        return Tensor([[token]]), None, None, Tensor([[float(kept[idx])]], np.float32), end_filter
