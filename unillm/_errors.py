@@ -5,7 +5,8 @@
     UnillmError                      base of everything below
     ├── ConfigError (ValueError)     a config, option or sampling value is invalid
     │   ├── UnknownBackend           no backend is registered under that name
-    │   └── UnsupportedParameter     the backend cannot honour a sampling parameter (policy "strict")
+    │   ├── UnsupportedParameter     the backend cannot honour a sampling parameter (policy "strict")
+    │   └── InvalidTools             tools or tool_choice cannot be used as given (.field names where)
     ├── BackendUnavailable (ImportError)  the engine is not installed or cannot use this machine
     ├── NoSuitableBackend            no registered backend can run this model here
     ├── ModelFormatError             the model file or directory is not in a format unillm can read
@@ -14,7 +15,8 @@
     ├── OutOfMemory (MemoryError)    weights or KV cache do not fit
     ├── ContextLengthExceeded (ValueError)  the prompt is longer than the loaded context
     ├── GenerationError              the engine failed while generating
-    │   └── StructuredOutputError    the output does not parse or validate under its response_format
+    │   ├── StructuredOutputError    the output does not parse or validate under its response_format
+    │   └── ToolCallParseError       a call the model had to make is not one (cut by max_tokens)
     ├── EngineClosed                 the engine was used after close() or before load()
     └── PluginError                  a plugin failed to import or register (reported, then skipped)
 
