@@ -309,3 +309,33 @@ def test_the_filter_hands_sorted_lists_or_sets_to_exllamav2_before_0_2_1(engine:
             f.feed(t)
     pass_tokens, end = f.next()
     assert set(pass_tokens) == set(end) == set(engine.eos_token_ids)  # complete: only the end
+
+
+def test_formats_hold_with_a_draft_model(tiny: TinyModel) -> None:
+    """Speculative decoding: the filter is asked at each drafted position and fed only the tokens
+    kept, so a rejected draft never reaches it."""
+    opts = {"draft_model": str(tiny.hf_dir)}
+    with ExLlamaV2Engine(model=str(tiny.hf_dir), context_length=1024, options=opts) as e:
+        validator = jsonschema.Draft202012Validator(SCHEMA)
+        finished = 0
+        for seed in range(8):
+            done = e.generate("Order:", hot(response_format=SCHEMA, seed=seed, max_tokens=400))
+            if done.finish_reason == "stop":
+                finished += 1
+                assert not list(validator.iter_errors(done.parsed())), done.text
+        assert finished >= 6
+        fmt = {"type": "regex", "pattern": REGEX}
+        assert all(
+            re.fullmatch(REGEX, e.generate("x", hot(response_format=fmt, seed=s)).text) for s in range(8)
+        )
+
+
+def test_a_required_tool_call_is_one_valid_call(tiny: TinyModel) -> None:
+    """tool_choice "required" decodes under a response format: on ExLlamaV2, through the filter."""
+    from tests.test_tools import HERMES, forced_calls
+
+    with ExLlamaV2Engine(model=str(tiny.hf_dir), context_length=2048, chat_template=HERMES) as e:
+        valid, finished = forced_calls(e, "required", range(8))
+        assert valid == finished >= 6
+        valid, finished = forced_calls(e, {"type": "function", "function": {"name": "add"}}, range(4))
+        assert valid == finished >= 3
