@@ -335,6 +335,17 @@ def test_tools_are_rendered_and_none_is_plain_chat() -> None:
     assert engine.requests[-1] == engine.requests[-2] and "<tools>" not in engine.requests[-1]
 
 
+def test_a_backend_that_renders_its_own_way_renders_the_tools_too() -> None:
+    class Own(MockEngine):  # vLLM renders through its tokenizer's apply_chat_template
+        def render_chat(self, messages: Any, *, add_generation_prompt: bool = True, tools: Any = None) -> str:
+            return f"own rendering of {len(tools or ())} tools"
+
+    engine = Own("hi", chat_template=HERMES).load()
+    engine.chat(ASK, tools=TOOLS)
+    engine.chat(ASK, tools=TOOLS, tool_choice="none")
+    assert engine.requests[-2:] == ["own rendering of 2 tools", "own rendering of 0 tools"]
+
+
 def test_a_template_without_tools_is_a_clear_error(tiny: TinyModel) -> None:
     engine = MockEngine("hi").load()  # its template reads no tools variable
     with pytest.raises(InvalidTools, match="does not render tools") as err:

@@ -172,12 +172,15 @@ def chat_request(
     tools: Any,
     tool_choice: Any,
 ) -> tuple[str, SamplingParams, ToolSpec | None]:
-    """The prompt, the sampling parameters and the read tools (None: plain chat) of one chat."""
+    """The prompt, the sampling parameters and the read tools (None: plain chat) of one chat. The
+    prompt comes from ``engine.render_chat``, which a backend may override (vLLM renders as vLLM
+    does); ``tools`` is passed only when there are some, so an override without it still works."""
     spec = read_tools(tools, tool_choice)
     sp = engine._params(params, overrides)
     if spec is None:
-        return render(engine, messages, True), sp, None
-    return render(engine, messages, True, spec.tools), forced_params(engine, sp, spec), spec
+        return engine.render_chat(messages), sp, None
+    prompt = engine.render_chat(messages, tools=list(spec.tools))
+    return prompt, forced_params(engine, sp, spec), spec
 
 
 def finish_with_calls(last: Chunk, text: str, spec: ToolSpec) -> Chunk:

@@ -340,7 +340,7 @@ class Timings:
 class Chunk:
     """A piece of a streamed completion: created once per token, so it stays small.
 
-    ``finish_reason``, ``usage``, ``timings`` and ``stop_sequence`` are set on the last chunk only.
+    ``finish_reason``, ``usage``, ``timings``, ``stop_sequence``, ``tool_calls``: last chunk only.
     """
 
     text: str
