@@ -4,13 +4,12 @@ found through a real entry point, beside the built-ins, without any change to un
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from ._plugin_util import ROOT, clean_env, fake_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run
 
 PLUGIN = ROOT / "plugins" / "unillm-openai-http"
 
@@ -20,8 +19,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return clean_env(tmp_path_factory.mktemp("unillm-cache"))
 
 
-def test_openai_http_plugin_tests_pass(env: dict[str, str]) -> None:
-    plugin_env = {**env, "PYTHONPATH": str(PLUGIN)}  # importable without installing it
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin installed by pip from its directory (code and real .dist-info, no
+    dependencies): the tests below run that copy, not the source tree."""
+    return pip_install(PLUGIN, tmp_path_factory.mktemp("site"))
+
+
+def test_openai_http_plugin_tests_pass(env: dict[str, str], site: Path) -> None:
+    plugin_env = {**env, "PYTHONPATH": str(site)}  # the installed copy
     out = run(
         ["-m", "pytest", str(PLUGIN / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
         plugin_env,
@@ -38,9 +44,8 @@ def test_openai_http_plugin_tests_pass(env: dict[str, str]) -> None:
     assert not re.search(r"\d+ (failed|error)", out), out
 
 
-def test_openai_http_plugin_is_found_through_its_entry_point(env: dict[str, str], tmp_path: Path) -> None:
+def test_openai_http_plugin_is_found_through_its_entry_point(env: dict[str, str], site: Path) -> None:
     # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
-    fake_install(tmp_path, "unillm-openai-http", "openai-http", "unillm_openai_http")
     script = (
         "import sys, unillm\n"
         "from unillm._plugins import default_registry\n"
@@ -53,7 +58,7 @@ def test_openai_http_plugin_is_found_through_its_entry_point(env: dict[str, str]
         "except unillm.ConfigError as exc:\n"
         "    print('refused', type(exc).__name__, exc)\n"
     )
-    plugin_env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PLUGIN)])}
+    plugin_env = {**env, "PYTHONPATH": str(site)}
     out = run(["-c", script], plugin_env)
     assert "backend openai-http from openai-http" in out
     assert "backend llama.cpp from builtin" in out  # the plugin sits beside the built-ins
