@@ -45,7 +45,7 @@ def test_openai_http_plugin_tests_pass(env: dict[str, str], site: Path) -> None:
 
 
 def test_openai_http_plugin_is_found_through_its_entry_point(env: dict[str, str], site: Path) -> None:
-    # What `pip install` would leave behind: a .dist-info naming the module in the "unillm" group.
+    # pip installed it: its .dist-info names the module in the "unillm" entry-point group
     script = (
         "import sys, unillm\n"
         "from unillm._plugins import default_registry\n"
