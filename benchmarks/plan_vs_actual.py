@@ -117,7 +117,7 @@ engine.close()
 
 
 def _probe(backend: str, path: Path, ctx: int) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "all", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, backend, str(path), str(ctx), str(GENERATED)],
         capture_output=True,
@@ -224,14 +224,18 @@ def main() -> None:
     rows = []
     print(HEADER)
     if args.replan:
+        # a partial file (written after every row) is a bare list of rows
         old = [json.loads(Path(f).read_text()) for f in args.replan]
+        old = [o if isinstance(o, dict) else {"rows": o} for o in old]
         measured = [r for o in old for r in o["rows"]]
         models = _models(sorted({r["model"] for r in measured}))
         engines = sorted({r["engine"] for r in measured})
         for r in measured:
             rows.append(_row(r["model"], models[r["model"]], r["engine"], r["context"], r["measured"], hw))
+            rows[-1].update({k: r[k] for k in ("source",) if k in r})
             _print(rows[-1])
-        meta, date = old[0]["machine"], old[0]["date"]
+        full = next(o for o in old if "machine" in o)
+        meta, date = full["machine"], full["date"]
     else:
         engines = [e for e in args.engines.split(",") if e]
         models = _models([m for m in args.models.split(",") if m])

@@ -109,6 +109,25 @@ def test_mlx_cache_of_quantized_weights_is_f16_and_an_asked_dtype_wins() -> None
     assert q8.kv_bytes_per_token == round(2 * 4 * 2 * 64 * 34 / 32)
 
 
+def test_vllm_holds_its_whole_kv_pool_and_a_second_interpreter_at_load() -> None:
+    p = plan(BENCH_HF, CPU, Workload(context_length=512), backend="vllm")
+    pool = 256 * MiB  # 16 sequences x 512 tokens x 4096 bytes (f32) = 32 MiB, under the 256 MiB floor
+    compute = round(512 * 512 * 8 * 0.37 + 512 * 4 * (23 * 512 + 512))
+    assert p.kv_bytes_per_token == 4096
+    assert p.kv_bytes == pool
+    assert p.resident_bytes == 50_350_080 + pool + 1406 * MiB
+    assert p.total_bytes == p.resident_bytes + compute
+
+
+def test_vllm_pool_is_16_sequences_at_most_a_quarter_of_the_ram_never_less_than_one() -> None:
+    long = plan(BENCH_HF, CPU, Workload(context_length=8192), backend="vllm")
+    assert long.kv_bytes == 16 * 8192 * 4096  # 512 MiB
+    small = replace(CPU, ram_available_bytes=1 * GiB)
+    assert plan(BENCH_HF, small, Workload(context_length=8192), backend="vllm").kv_bytes == GiB // 4
+    tiny = replace(CPU, ram_available_bytes=64 * MiB)
+    assert plan(BENCH_HF, tiny, Workload(context_length=8192), backend="vllm").kv_bytes == 8192 * 4096
+
+
 def test_fits_is_judged_against_the_bound_not_the_resident_figure() -> None:
     p = plan(BENCH_HF, CPU, Workload(context_length=4096), backend="mlx")
     tight = replace(CPU, ram_available_bytes=int((p.resident_bytes + p.total_bytes) / 2 / 0.95))

