@@ -570,3 +570,16 @@ def test_served_refusals_name_the_field(served: Any) -> None:
         with pytest.raises(openai.BadRequestError) as err:
             served.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **kwargs)
         assert err.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_backend_overriding_stream_chat_as_before_tools_still_chats() -> None:
+    # a plugin written before tools existed: stream_chat(messages, params, **overrides)
+    from unillm.testing import MockEngine
+
+    class OldStyle(MockEngine):
+        def stream_chat(self, messages: Any, params: Any = None, **overrides: Any) -> Any:
+            assert "tools" not in overrides and "tool_choice" not in overrides
+            return self.stream("old style", params, **overrides)
+
+    with OldStyle(lambda p, s: "fine") as engine:
+        assert engine.chat([{"role": "user", "content": "hi"}]).text == "fine"

@@ -74,7 +74,7 @@ class ChatMethods(Lifetime):
     ) -> Completion:
         """The assistant's whole reply to ``messages``; ``tools`` as in ``stream_chat``."""
         sp = self._params(params, overrides)
-        return fold(self.stream_chat(messages, sp, tools=tools, tool_choice=tool_choice), sp)
+        return fold(self.stream_chat(messages, sp, **_tool_args(tools, tool_choice)), sp)
 
     async def astream_chat(
         self,
@@ -101,7 +101,18 @@ class ChatMethods(Lifetime):
     ) -> Completion:
         """Async ``chat``."""
         sp = self._params(params, overrides)
-        return await afold(self.astream_chat(messages, sp, tools=tools, tool_choice=tool_choice), sp)
+        return await afold(self.astream_chat(messages, sp, **_tool_args(tools, tool_choice)), sp)
+
+
+def _tool_args(tools: Any, tool_choice: Any) -> dict[str, Any]:
+    """Only the tool arguments given: a backend that overrides ``stream_chat`` with the signature
+    it had before tools (``messages, params, **overrides``) keeps working for plain chats."""
+    args: dict[str, Any] = {}
+    if tools is not None:
+        args["tools"] = tools
+    if tool_choice is not None:
+        args["tool_choice"] = tool_choice
+    return args
 
 
 def render(
