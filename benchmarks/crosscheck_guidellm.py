@@ -293,6 +293,16 @@ def unillm_figures(result: dict[str, Any]) -> dict[str, Any]:
         "itl_p50_ms": _ms(s["itl"]["p50"]),  # every gap between token chunks
         "e2e_p50_ms": _ms(s["e2e"]["p50"]),
         "output_len_mismatches": s["output_len_mismatches"],
+        # per request, seconds from the level's start: (send, first token, end, tokens counted)
+        "records": [
+            [
+                round(r["send"], 4),
+                round(r["chunk_times"][0], 4) if r["chunk_times"] else None,
+                round(r["end"], 4),
+                r["output_tokens"],
+            ]
+            for r in sorted(records, key=lambda r: r["send"])
+        ],
     }
 
 
@@ -354,6 +364,17 @@ def guidellm_figures(report: dict[str, Any]) -> dict[str, Any]:
         "tpot_p50_ms": _ms(percentile(tpot, 50)),
         "e2e_p50_ms": _ms(percentile(e2e, 50)),
     }
+    t0 = min(starts) if starts else 0.0
+    own["records"] = sorted(
+        [
+            round(t["request_start"] - t0, 4),
+            round(t["first_token_iteration"] - t0, 4) if t.get("first_token_iteration") else None,
+            round(t["request_end"] - t0, 4),
+            int(r.get("output_tokens") or 0),
+        ]
+        for r in reqs
+        if (t := r["info"]["timings"]).get("request_start") is not None and t.get("request_end") is not None
+    )
     return {"own": own, "as_unillm": recomputed}
 
 
