@@ -132,10 +132,12 @@ def _probe(backend: str, path: Path, ctx: int) -> dict[str, Any]:
 
 
 def _plan(plan: Any, info: Any, hw: Any, wl: Any, backend: str) -> Any:
-    """The plan for ``backend`` (a planner from before the engine-aware one: the generic plan)."""
-    if "backend" in inspect.signature(plan).parameters:
-        return plan(info, hw, wl, backend=backend)
-    return plan(info, hw, wl)
+    """The plan with ``backend``'s memory model (a planner from before it: the generic plan)."""
+    if "engine" not in inspect.signature(plan).parameters:
+        return plan(info, hw, wl)
+    from unillm._plugins import default_registry
+
+    return plan(info, hw, wl, engine=getattr(default_registry().get(backend), "memory", None))
 
 
 def _resident(p: Any) -> int:

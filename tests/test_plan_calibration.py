@@ -1,4 +1,4 @@
-"""The planner's engine memory models (``plan(..., backend=...)``), as measured on this project's
+"""The planner's engine memory models (``plan(..., engine=Backend.memory)``), as measured on this project's
 CPU machine by benchmarks/plan_vs_actual.py: exact figures on known shapes, then one real check
 per engine that the plan lands within 15 % of the resident memory the engine really adds.
 
@@ -23,7 +23,8 @@ import pytest
 
 from unillm._hardware import GPU, Hardware
 from unillm._inspect import ModelInfo
-from unillm._plan import ENGINE_MEMORY, Workload, plan
+from unillm._plan import Workload, plan
+from unillm.engines._memory import LLAMACPP_MEMORY, MLX_MEMORY, VLLM_MEMORY
 
 MiB = 2**20
 GiB = 2**30
@@ -65,7 +66,7 @@ BENCH_HF = replace(BENCH_GGUF, path="hf", format="safetensors", quantization="f3
 
 
 def test_llamacpp_allocates_its_f16_cache_at_load_and_its_compute_buffer_with_the_context() -> None:
-    p = plan(BENCH_GGUF, CPU, Workload(context_length=4096), backend="llama.cpp")
+    p = plan(BENCH_GGUF, CPU, Workload(context_length=4096), engine=LLAMACPP_MEMORY)
     kv = 2 * 4 * 2 * 64 * 2 * 4096  # f16: 8 MiB
     # a 512-token micro-batch: 8 heads of scores at 4 + 1.3 bytes, a 4-byte mask, f32 rows
     compute = round(512 * 4096 * (8 * 5.3 + 4) + 512 * 4 * (5 * 512 + 512))
@@ -85,7 +86,7 @@ def test_llamacpp_compute_buffer_matches_what_llama_cpp_reports_for_scores_and_m
 
 
 def test_mlx_holds_only_its_weights_at_load_and_bounds_an_f32_cache_grown_in_steps() -> None:
-    p = plan(BENCH_HF, CPU, Workload(context_length=1000), backend="mlx")
+    p = plan(BENCH_HF, CPU, Workload(context_length=1000), engine=MLX_MEMORY)
     per_token = 2 * 4 * 2 * 64 * 4  # the cache takes the weights' f32
     kv = per_token * 1024  # four steps of 256 tokens
     compute = 1000 * 1000 * (8 * 4 + 4) + 1000 * 4 * (9 * 512 + 512)
@@ -97,20 +98,20 @@ def test_mlx_holds_only_its_weights_at_load_and_bounds_an_f32_cache_grown_in_ste
 
 
 def test_mlx_prefills_in_chunks_of_2048() -> None:
-    p = plan(BENCH_HF, CPU, Workload(context_length=4096), backend="mlx")
+    p = plan(BENCH_HF, CPU, Workload(context_length=4096), engine=MLX_MEMORY)
     compute = 2048 * 4096 * (8 * 4 + 4) + 2048 * 4 * (9 * 512 + 512)
     assert p.total_bytes == 50_350_080 + 4096 * 4096 + 18 * MiB + compute
 
 
 def test_mlx_cache_of_quantized_weights_is_f16_and_an_asked_dtype_wins() -> None:
     four_bit = replace(BENCH_HF, quantization="mlx-4bit", bits_per_weight=4.5, weights_bytes=None)
-    assert plan(four_bit, CPU, Workload(context_length=512), backend="mlx").kv_bytes_per_token == 2048
-    q8 = plan(BENCH_HF, CPU, Workload(context_length=512, kv_cache_dtype="q8"), backend="mlx")
+    assert plan(four_bit, CPU, Workload(context_length=512), engine=MLX_MEMORY).kv_bytes_per_token == 2048
+    q8 = plan(BENCH_HF, CPU, Workload(context_length=512, kv_cache_dtype="q8"), engine=MLX_MEMORY)
     assert q8.kv_bytes_per_token == round(2 * 4 * 2 * 64 * 34 / 32)
 
 
 def test_vllm_holds_its_whole_kv_pool_and_a_second_interpreter_at_load() -> None:
-    p = plan(BENCH_HF, CPU, Workload(context_length=512), backend="vllm")
+    p = plan(BENCH_HF, CPU, Workload(context_length=512), engine=VLLM_MEMORY)
     pool = 256 * MiB  # 16 sequences x 512 tokens x 4096 bytes (f32) = 32 MiB, under the 256 MiB floor
     compute = round(512 * 512 * 8 * 0.37 + 512 * 4 * (23 * 512 + 512))
     assert p.kv_bytes_per_token == 4096
@@ -120,33 +121,40 @@ def test_vllm_holds_its_whole_kv_pool_and_a_second_interpreter_at_load() -> None
 
 
 def test_vllm_pool_is_16_sequences_at_most_a_quarter_of_the_ram_never_less_than_one() -> None:
-    long = plan(BENCH_HF, CPU, Workload(context_length=8192), backend="vllm")
+    long = plan(BENCH_HF, CPU, Workload(context_length=8192), engine=VLLM_MEMORY)
     assert long.kv_bytes == 16 * 8192 * 4096  # 512 MiB
     small = replace(CPU, ram_available_bytes=1 * GiB)
-    assert plan(BENCH_HF, small, Workload(context_length=8192), backend="vllm").kv_bytes == GiB // 4
+    assert plan(BENCH_HF, small, Workload(context_length=8192), engine=VLLM_MEMORY).kv_bytes == GiB // 4
     tiny = replace(CPU, ram_available_bytes=64 * MiB)
-    assert plan(BENCH_HF, tiny, Workload(context_length=8192), backend="vllm").kv_bytes == 8192 * 4096
+    assert plan(BENCH_HF, tiny, Workload(context_length=8192), engine=VLLM_MEMORY).kv_bytes == 8192 * 4096
 
 
 def test_fits_is_judged_against_the_bound_not_the_resident_figure() -> None:
-    p = plan(BENCH_HF, CPU, Workload(context_length=4096), backend="mlx")
+    p = plan(BENCH_HF, CPU, Workload(context_length=4096), engine=MLX_MEMORY)
     tight = replace(CPU, ram_available_bytes=int((p.resident_bytes + p.total_bytes) / 2 / 0.95))
-    q = plan(BENCH_HF, tight, Workload(context_length=4096), backend="mlx")
+    q = plan(BENCH_HF, tight, Workload(context_length=4096), engine=MLX_MEMORY)
     assert not q.fits
     assert q.headroom_bytes < 0 < q.headroom_bytes + (q.total_bytes - q.resident_bytes)
 
 
-@pytest.mark.parametrize("backend", [None, "exllamav2", "llama.cpp"])
-def test_no_engine_model_off_the_cpu_or_for_an_unmeasured_engine(backend: str | None) -> None:
-    """The engines were measured on a CPU: on a GPU box, or for another engine, the generic plan."""
-    hw = GPU_BOX if backend == "llama.cpp" else CPU
-    p = plan(BENCH_GGUF, hw, Workload(context_length=4096), backend=backend)
-    assert p == plan(BENCH_GGUF, hw, Workload(context_length=4096))
-    assert p.resident_bytes == p.total_bytes
+def test_no_engine_model_off_the_cpu_or_without_one() -> None:
+    """The engines were measured on a CPU: on a GPU box, or with no engine named, the generic plan."""
+    wl = Workload(context_length=4096)
+    on_gpu = plan(BENCH_GGUF, GPU_BOX, wl, engine=LLAMACPP_MEMORY)
+    assert on_gpu == plan(BENCH_GGUF, GPU_BOX, wl)
+    assert on_gpu.resident_bytes == on_gpu.total_bytes
+    generic = plan(BENCH_GGUF, CPU, wl)
+    assert generic.resident_bytes == generic.total_bytes
 
 
-def test_every_engine_model_is_keyed_by_a_backend_name() -> None:
-    assert set(ENGINE_MEMORY) <= {"llama.cpp", "mlx", "vllm"}
+def test_the_built_in_backends_declare_their_memory() -> None:
+    from unillm.engines.llamacpp import LlamaCppEngine
+    from unillm.engines.mlx import MLXEngine
+    from unillm.engines.vllm import VLLMEngine
+
+    assert LlamaCppEngine.memory is LLAMACPP_MEMORY
+    assert MLXEngine.memory is MLX_MEMORY
+    assert VLLMEngine.memory is VLLM_MEMORY
 
 
 # ---- real engines: the plan against the memory they add, in a fresh process ---------------------
@@ -188,7 +196,10 @@ def test_plan_is_within_15_percent_of_the_memory_the_engine_adds(backend: str, c
 
     model = tiny_model("bench")
     path = model.gguf_path if backend == "llama.cpp" else model.hf_dir
-    p = plan(inspect_model(path), detect_hardware(), Workload(context_length=context), backend=backend)
+    from unillm._plugins import default_registry
+
+    memory = default_registry().get(backend).memory  # type: ignore[attr-defined]
+    p = plan(inspect_model(path), detect_hardware(), Workload(context_length=context), engine=memory)
     measured = _probe()(backend, path, context)
     assert p.resident_bytes == pytest.approx(measured["load"], rel=0.15)
     assert p.total_bytes == pytest.approx(measured["peak"], rel=0.15)

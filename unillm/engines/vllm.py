@@ -65,6 +65,7 @@ from unillm.backend import (
     check_prompt,
     gpu_present,
 )
+from unillm.engines._memory import VLLM_MEMORY
 from unillm.engines._vllm_args import READS, engine_args, kv_bytes, kv_cache_dtype_name, model_dir
 from unillm.engines._vllm_build import vllm_build
 from unillm.engines._vllm_options import VLLMOptions
@@ -91,6 +92,8 @@ class VLLMEngine(Engine[VLLMOptions]):
     """HF models (unquantized, AWQ, GPTQ, FP8, ...) through vLLM's async engine."""
 
     name: ClassVar[str] = "vllm"
+    #: its memory as measured for the planner (unillm/engines/_memory.py)
+    memory = VLLM_MEMORY
     formats: ClassVar[frozenset[str]] = READS
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
