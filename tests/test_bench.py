@@ -433,3 +433,17 @@ def test_a_workload_longer_than_the_context_fails_before_it_runs() -> None:
     ):
         bench_engine(engine, Workload(input_len=60, output_len=16, requests=1))
     assert engine.requests == []
+
+
+def test_http_token_count_without_usage_is_not_the_chunk_count() -> None:
+    # a server that streams no usage (llama-cpp-python's): ids it streamed, else max_tokens when it
+    # stopped for length, else the text through the tokenizer; the chunks only failing all of those
+    from unillm.bench._targets import HttpTarget
+    from unillm.bench._workload import Workload
+
+    target = HttpTarget("http://127.0.0.1:9/v1", "m", Workload(), count_tokens=lambda t: len(t.split()))
+    chunks = [1, 1, 1]  # three chunks with text for what may be more tokens
+    assert target._count("length", 0, "a b c", chunks, 16) == 16
+    assert target._count("stop", 5, "a b c", chunks, 16) == 5
+    assert target._count("stop", 0, "a b c d", chunks, 16) == 4
+    assert HttpTarget("http://127.0.0.1:9/v1", "m", Workload())._count("stop", 0, "a b c d", chunks, 16) == 3

@@ -265,7 +265,8 @@ def bench_url(
     wl = load_workload(workload)
     tok_source = tokenizer or (hf_dir_in(model_path) if model_path else None)
     tok = HFTokenizer(tok_source) if tok_source else None
-    target = HttpTarget(url, model or "", wl, api_key=api_key)
+    count = (lambda text: len(tok.tokenize(text))) if tok is not None else None
+    target = HttpTarget(url, model or "", wl, api_key=api_key, count_tokens=count)
     if not model:
         names = asyncio.run(_models(url, api_key))
         if not names:

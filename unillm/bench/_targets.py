@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -142,8 +143,19 @@ class HttpTarget(Target):
 
     kind = "http"
 
-    def __init__(self, url: str, model: str, workload: Workload, *, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        workload: Workload,
+        *,
+        api_key: str | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> None:
         import httpx
+
+        #: counts a completion's tokens (the model's tokenizer) for a server that streams no usage
+        self.count_tokens = count_tokens
 
         base = url.rstrip("/")
         self.base = base if base.endswith("/v1") else base + "/v1"
@@ -207,6 +219,7 @@ class HttpTarget(Target):
 
     async def _stream(self, path: str, body: dict[str, Any], rec: RequestRecord, t0: float) -> None:
         times, counts = rec.chunk_times, rec.chunk_tokens
+        finish, ids, parts = None, 0, []
         async with self.client.stream("POST", self.base + path, json=body) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}"
@@ -223,14 +236,31 @@ class HttpTarget(Target):
                 if choices:
                     c = choices[0]
                     text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if isinstance(c.get("token_ids"), list):  # vLLM's, when asked
+                        ids += len(c["token_ids"])
+                    finish = c.get("finish_reason") or finish
                     if text:
                         times.append(perf_counter() - t0)
-                        counts.append(1)  # a server's chunk is a token unless its usage says more
+                        counts.append(1)  # timing per chunk with text; the count is settled below
+                        parts.append(text)
                 if event.get("usage"):
                     self._usage(event["usage"], rec)
         rec.end = perf_counter() - t0
-        if not rec.output_tokens:
-            rec.output_tokens = sum(counts)
+        if not rec.output_tokens:  # the server streamed no usage (llama-cpp-python's)
+            rec.output_tokens = self._count(finish, ids, "".join(parts), counts, int(body["max_tokens"]))
+
+    def _count(self, finish: str | None, ids: int, text: str, counts: list[int], asked: int) -> int:
+        """A completion's tokens without the server's usage. A chunk is not a token: a server may
+        stream a token that renders as nothing with empty text, and the tokens of one character
+        as one chunk; so the ids it streamed, else ``max_tokens`` when it stopped for length,
+        else the text through the model's tokenizer, and only failing all of them the chunks."""
+        if ids:
+            return ids
+        if finish == "length":
+            return asked
+        if self.count_tokens is not None:
+            return self.count_tokens(text)
+        return sum(counts)
 
     @staticmethod
     def _usage(usage: dict[str, Any] | None, rec: RequestRecord) -> None:
