@@ -110,6 +110,12 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "scripts/converters.sh builds it and unillm.testing.convert_tiny runs this export",
     ("docs/plugins/exllamav3.md", "pip install exllamav3"): "CUDA only (its import compiles a CUDA "
     "extension); tests/test_plugin_exllamav3.py runs the plugin against its fake",
+    ("docs/benchmarks.md", "--backends llama.cpp,mlx,vllm"): "the page's three-engine run (vLLM's start "
+    "and 48 requests an engine); its result files are in benchmarks/results/",
+    ("docs/benchmarks.md", "guidellm run --backend"): "guidellm, in the environment scripts/loadgen.sh "
+    "builds, against a running server; benchmarks/crosscheck_guidellm.py runs this command",
+    ("docs/benchmarks.md", "python benchmarks/crosscheck_guidellm.py"): "starts a server and guidellm for "
+    "several minutes; tests/test_bench_crosscheck.py runs a small one",
 }
 
 
