@@ -4,12 +4,14 @@ that a plugin is found through a real entry point without installing it."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["ROOT", "clean_env", "fake_install", "pip_install", "run"]
+__all__ = ["ROOT", "clean_env", "fake_install", "pip_install", "run", "unillm_imports"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,3 +53,17 @@ def pip_install(plugin: Path, where: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"pip install {plugin} failed:\n{proc.stderr[-3000:]}"
     return where
+
+
+def unillm_imports(paths: Iterable[Path]) -> tuple[list[str], list[str]]:
+    """The unillm modules the Python files at ``paths`` import, and the private ones among them
+    (a part starting with ``_``): a plugin must use only the public kit."""
+    imported: list[str] = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.append(node.module)
+    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    return ours, [m for m in ours if any(part.startswith("_") for part in m.split("."))]

@@ -5,7 +5,6 @@ machine (a hardware profile), with no change to unillm."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import pytest
 
 from unillm.testing import TinyModel
 
-from ._plugin_util import ROOT, clean_env, pip_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run, unillm_imports
 
 PLUGIN = ROOT / "plugins" / "unillm-exllamav3"
 FAKE = PLUGIN / "tests" / "fake_exllamav3"
@@ -62,16 +61,10 @@ def test_exllamav3_plugin_tests_pass(env: dict[str, str], site: Path) -> None:
 
 
 def test_the_plugin_imports_nothing_private() -> None:
-    imported: list[str] = []
-    for path in [*(PLUGIN / "unillm_exllamav3").rglob("*.py"), *(PLUGIN / "tests").glob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                imported.append(node.module)
-    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    ours, private = unillm_imports(
+        [*(PLUGIN / "unillm_exllamav3").rglob("*.py"), *(PLUGIN / "tests").glob("*.py")]
+    )
     assert ours, "the plugin should use unillm"
-    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
     assert private == [], f"the plugin imports private modules: {private}"
 
 

@@ -4,7 +4,6 @@ in `unillm select --explain`, and has its own fallback steps walked by auto_engi
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -14,21 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from ._plugin_util import unillm_imports
+
 PLUGIN = Path(__file__).parent / "plugin_ggufish"
 ROOT = Path(__file__).parent.parent
 
 
 def test_the_plugin_imports_nothing_private() -> None:
-    imported: list[str] = []
-    for path in PLUGIN.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                imported.append(node.module)
-    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    ours, private = unillm_imports(PLUGIN.rglob("*.py"))
     assert ours, "the plugin should use unillm"
-    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
     assert private == [], f"the plugin imports private modules: {private}"
 
 

@@ -4,7 +4,6 @@ is found through a real entry point, beside the built-ins, without any change to
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import importlib.util
 import re
@@ -15,7 +14,7 @@ import pytest
 
 from unillm.testing import convert_tiny, tiny_model
 
-from ._plugin_util import ROOT, clean_env, pip_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run, unillm_imports
 
 PLUGIN = ROOT / "plugins" / "unillm-onnxruntime-genai"
 
@@ -51,16 +50,8 @@ def onnx_dir(env: dict[str, str], converter_python: str) -> Path:
 
 
 def test_the_plugin_imports_nothing_private() -> None:
-    imported: list[str] = []
-    for path in PLUGIN.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                imported.append(node.module)
-    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    ours, private = unillm_imports(PLUGIN.rglob("*.py"))
     assert {"unillm", "unillm.backend", "unillm.testing"} <= set(ours)
-    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
     assert private == [], f"the plugin imports private modules: {private}"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ._plugin_util import ROOT, clean_env, pip_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run, unillm_imports
 
 PLUGIN = ROOT / "plugins" / "unillm-openai-http"
 
@@ -24,6 +24,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin installed by pip from its directory (code and real .dist-info, no
     dependencies): the tests below run that copy, not the source tree."""
     return pip_install(PLUGIN, tmp_path_factory.mktemp("site"))
+
+
+def test_the_plugin_imports_nothing_private() -> None:
+    ours, private = unillm_imports(PLUGIN.rglob("*.py"))
+    assert {"unillm", "unillm.backend", "unillm.testing"} <= set(ours)
+    assert private == [], f"the plugin imports private modules: {private}"
 
 
 def test_openai_http_plugin_tests_pass(env: dict[str, str], site: Path) -> None:

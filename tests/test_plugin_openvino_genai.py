@@ -5,13 +5,12 @@ to unillm."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import pytest
 
-from ._plugin_util import ROOT, clean_env, pip_install, run
+from ._plugin_util import ROOT, clean_env, pip_install, run, unillm_imports
 
 PLUGIN = ROOT / "plugins" / "unillm-openvino-genai"
 
@@ -40,16 +39,8 @@ def env(tmp_path_factory: pytest.TempPathFactory, converter_python: str) -> dict
 
 
 def test_the_plugin_imports_nothing_private() -> None:
-    imported: list[str] = []
-    for path in PLUGIN.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                imported.append(node.module)
-    ours = [m for m in imported if m.split(".")[0] == "unillm"]
+    ours, private = unillm_imports(PLUGIN.rglob("*.py"))
     assert ours, "the plugin should use unillm"
-    private = [m for m in ours if any(part.startswith("_") for part in m.split("."))]
     assert private == [], f"the plugin imports private modules: {private}"
 
 
