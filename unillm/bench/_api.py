@@ -43,8 +43,14 @@ def _run(bench: Bench) -> tuple[list[Level], bool]:
 
 
 def _plans(
-    info: ModelInfo | None, hardware: Hardware | None, levels: Sequence[Level], context: int | None
+    info: ModelInfo | None,
+    hardware: Hardware | None,
+    levels: Sequence[Level],
+    context: int | None,
+    memory: Any = None,
 ) -> list[Plan | None]:
+    """The memory plan of each level; with ``memory`` (the backend's ``Engine.memory``) the
+    engine's own calibrated figures (docs/planner.md), else the generic formula (a URL's)."""
     if info is None or hardware is None:
         return [None] * len(levels)
     from unillm._plan import Workload as PlanWorkload
@@ -54,7 +60,8 @@ def _plans(
     for level in levels:
         n = int(level.value) if level.kind == "concurrency" else max(1, level.peak_in_flight)
         try:
-            out.append(plan(info, hardware, PlanWorkload(context_length=context or 4096, concurrency=n)))
+            wl = PlanWorkload(context_length=context or 4096, concurrency=n)
+            out.append(plan(info, hardware, wl, engine=memory))
         except Exception:  # the plan is context, never a reason to lose a run
             out.append(None)
     return out
@@ -112,7 +119,9 @@ def _engine_result(
         levels=levels,
         output_enforcement=target.output_enforcement,
         prompt_lengths_exact=bench.prompts.exact,
-        plans=_plans(info, facts.hardware, levels, engine.context_length),
+        plans=_plans(
+            info, facts.hardware, levels, engine.context_length, getattr(type(engine), "memory", None)
+        ),
         partial=interrupted,
         price_per_hour=price_per_hour,
     )
