@@ -287,3 +287,10 @@ def test_tools_are_refused_for_a_servers_own_chat(scripted: tuple[str, type[_Scr
         with pytest.raises(UnsupportedParameter, match="tool_choice"):
             list(e.stream_chat([{"role": "user", "content": "hi"}], tool_choice="required"))
     assert handler.seen == ["/v1/models"]  # nothing was sent
+
+
+def test_vllm_usage_is_over_its_blocks_less_the_null_block() -> None:
+    # vLLM's BlockPool.get_usage is used / (num_gpu_blocks - 1): 4 blocks of 512 read 4/511
+    scrape = VLLM_032.replace("0.00390625", repr(4 / 511))
+    stats = kv_from_metrics(scrape, "/m")
+    assert (stats.used_blocks, stats.used_tokens, stats.used_bytes) == (4, 512, 512 << 10)

@@ -100,8 +100,14 @@ def _vllm(s: _Scrape) -> KVStats:
     info = s.labels("vllm:cache_config_info") or {}
     block, blocks = _int_label(info, "block_size"), _int_label(info, "num_gpu_blocks")
     cap = _int_label(info, "kv_cache_size_tokens") or (block * blocks if block and blocks else None)
-    used_blocks = round(perc * blocks) if perc is not None and blocks else None
-    used = round(perc * cap) if perc is not None and cap else None
+    # vLLM's usage is over its blocks less the null block (BlockPool.get_usage: used / (n - 1)),
+    # so the blocks in use are perc x (n - 1), and the tokens they hold those blocks' tokens
+    used_blocks = round(perc * (blocks - 1)) if perc is not None and blocks and blocks > 1 else None
+    used: int | None
+    if used_blocks is not None and block:
+        used = used_blocks * block
+    else:
+        used = round(perc * cap) if perc is not None and cap else None
     # the bytes only where they are the cache's exactly (a size asked for and rounded down to
     # whole blocks leaves a remainder: then no byte figure at all rather than a wrong one)
     size = _int_label(info, "kv_cache_memory_bytes")
