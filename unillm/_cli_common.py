@@ -112,6 +112,8 @@ def _dump(value: Any, *, indent: int | None = 2) -> None:
     def default(obj: Any) -> Any:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             return dataclasses.asdict(obj)
+        if isinstance(obj, (set, frozenset)):  # a set is JSON's sorted list, not its repr
+            return sorted(obj, key=str)
         return str(obj)
 
     print(json.dumps(value, default=default, indent=indent))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from unillm._cli_common import JsonOpt, _asdict, _console, _dump, _esc
 
@@ -29,7 +29,7 @@ def backends_cmd(as_json: JsonOpt = False) -> None:
                 "source": info.source,
                 "formats": sorted(info.cls.formats),
                 **_asdict(a),
-                "capabilities": _capabilities_json(info.cls.capabilities),
+                "capabilities": _asdict(info.cls.capabilities),
             }
         _dump({"backends": rows, "plugin_failures": reg.failures})
         return
@@ -49,17 +49,6 @@ def backends_cmd(as_json: JsonOpt = False) -> None:
     for f in reg.failures:
         console.print(f"[yellow]plugin {_esc(repr(f.plugin))} skipped:[/] {_esc(f.reason)}")
     _capabilities_table(reg)
-
-
-def _capabilities_json(caps: Any) -> dict[str, Any]:
-    """A ``Capabilities`` as JSON: its sets as sorted lists."""
-    import dataclasses
-
-    out = {}
-    for f in dataclasses.fields(caps):
-        value = getattr(caps, f.name)
-        out[f.name] = sorted(value) if isinstance(value, frozenset) else value
-    return out
 
 
 # what every backend honours (the base class applies them): not worth a column
