@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from unillm._errors import ConfigError
-from unillm._types import EngineConfig, _Validated
+from unillm._params import EngineConfig, _Validated
 
 __all__ = ["ModelSpec", "ServerConfig", "read_server_config"]
 
