@@ -3,8 +3,8 @@
 The generator runs on a ``StepWorker`` thread (it is not thread-safe): any number of threads or
 asyncio tasks generate at once and every decode step serves all of them together. A caller that
 stops early (a broken stream, a cancelled task) has its sequence removed at the next step. The
-cache of the last finished sequence is kept (``KeptCache``) for the next request that shares a
-prefix with it. Used by ``unillm.engines.mlx`` only; it does not import that module.
+caches of recently finished sequences are kept (``KeptCache``) for the next requests that share
+a prefix with them. Used by ``unillm.engines.mlx`` only; it does not import that module.
 """
 
 from __future__ import annotations
@@ -133,45 +133,67 @@ class Batcher(StepWorker):
 
 
 class KeptCache:
-    """Batched mode's prefix reuse: the prompt cache of the last finished sequence, with the tokens
-    it holds, kept for the next request; the request that takes it trims it to the prefix both
-    share (a sequence's cache serves one request at a time)."""
+    """Batched mode's prefix reuse: the prompt caches of recently finished sequences, with the
+    tokens each holds, kept for the next requests. A request takes the one sharing the longest
+    prefix with it and trims it to that prefix (a sequence's cache serves one request at a time);
+    the others stay for requests that share more with them.
 
-    def __init__(self, cache_mod: Any, *, enabled: bool) -> None:
+    Several users at once each leave a sequence behind, so one kept cache would serve only the
+    last of them (mlx_lm.server keeps several too). The kept caches together hold at most
+    ``budget_tokens`` (one context's worth: the memory a single kept cache could already take)
+    and ``max_entries`` entries; the least recently kept go first.
+    """
+
+    def __init__(
+        self, cache_mod: Any, *, enabled: bool, budget_tokens: int | None = None, max_entries: int = 8
+    ) -> None:
         self._mod = cache_mod  # mlx_lm.models.cache
-        self._enabled = enabled
+        self._enabled = enabled and max_entries > 0
+        self._budget = budget_tokens
+        self._max = max_entries
         self._lock = threading.Lock()
-        self._kept: tuple[list[Any], list[int]] | None = None
+        self._kept: list[tuple[list[Any], list[int], int]] = []  # (cache, tokens, held), oldest first
 
     def keep(self, r: Any) -> None:
         """Keep a finished sequence's cache (a ``GenerationBatch.Response``'s) if it can be trimmed."""
         cache = r.prompt_cache
-        if self._enabled and cache and self._mod.can_trim_prompt_cache(cache):
-            with self._lock:
-                self._kept = (cache, list(r.all_tokens or []))
+        if not (self._enabled and cache and self._mod.can_trim_prompt_cache(cache)):
+            return
+        tokens = list(r.all_tokens or [])
+        held = cache_offset(cache) or 0
+        if held == 0 or (self._budget is not None and held > self._budget):
+            return
+        with self._lock:
+            # an entry whose tokens this one extends can serve nobody this one cannot
+            kept = [e for e in self._kept if e[1][: e[2]] != tokens[: e[2]]]
+            kept.append((cache, tokens, held))
+            while len(kept) > self._max or (
+                self._budget is not None and sum(e[2] for e in kept) > self._budget
+            ):
+                kept.pop(0)
+            self._kept = kept
 
     def take(self, ids: list[int]) -> tuple[list[Any] | None, int]:
-        """The kept cache trimmed to the prefix it shares with ``ids`` and that prefix's length, or
-        ``(None, 0)`` when nothing is kept or nothing is shared."""
+        """The kept cache sharing the longest prefix with ``ids``, trimmed to it, and that prefix's
+        length; ``(None, 0)`` when none shares anything (they all stay kept)."""
         with self._lock:
-            kept, self._kept = self._kept, None
-        if kept is None:
-            return None, 0
-        cache, tokens = kept
-        offset = cache_offset(cache) or 0
-        keep = shared_prefix(tokens[:offset], ids)
-        if keep == 0:
-            return None, 0
-        if offset - keep > 0:
-            self._mod.trim_prompt_cache(cache, offset - keep)
-        return cache, keep
+            best, share = -1, 0
+            for i, (_, tokens, held) in enumerate(self._kept):
+                n = shared_prefix(tokens[:held], ids)
+                if n > share:
+                    best, share = i, n
+            if best < 0:
+                return None, 0
+            cache, _, held = self._kept.pop(best)
+        if held - share > 0:
+            self._mod.trim_prompt_cache(cache, held - share)
+        return cache, share
 
     @property
     def tokens(self) -> int:
-        """Tokens the kept cache holds."""
-        kept = self._kept
-        return (cache_offset(kept[0]) or 0) if kept else 0
+        """Tokens the kept caches hold."""
+        return sum(e[2] for e in self._kept)
 
     def clear(self) -> None:
         with self._lock:
-            self._kept = None
+            self._kept = []

@@ -207,7 +207,8 @@ class MLXEngine(Engine[MLXOptions]):
         self._cache_tokens: list[int] = []
         self._queries = 0
         self._hits = 0
-        self._kept = KeptCache(mlx_cache, enabled=opts.prompt_cache)  # batched mode's prefix reuse
+        budget = opts.max_kv_size or self._n_ctx  # batched mode's prefix reuse: one context's worth
+        self._kept = KeptCache(mlx_cache, enabled=opts.prompt_cache, budget_tokens=budget)
         self._inflight: dict[int, int] = {}  # batched mode: request -> tokens it holds
         self._batcher: Batcher | None = None
         batched = self.capabilities.batching  # what capabilities_for declared for these options
