@@ -57,13 +57,23 @@ _EVERYWHERE = frozenset({"max_tokens", "stop", "temperature"})
 
 def _capabilities_table(reg: Registry) -> None:
     """What each backend can do, as its class declares it (what the selector reads): sampling
-    parameters beyond the common ones, structured output, logprobs, batching, LoRA."""
+    parameters beyond the common ones, structured output, logprobs, batching, LoRA,
+    speculative decoding."""
     from rich.table import Table
 
     def mark(ok: bool) -> str:
         return "[green]yes[/]" if ok else "-"
 
-    table = Table("backend", "structured", "logprobs", "batching", "lora", "token prompts", "more sampling")
+    table = Table(
+        "backend",
+        "structured",
+        "logprobs",
+        "batching",
+        "lora",
+        "speculative",
+        "token prompts",
+        "more sampling",
+    )
     for info in reg.backends().values():
         c = info.cls.capabilities
         more = ", ".join(sorted(c.sampling - _EVERYWHERE - {"response_format", "logprobs"}))
@@ -73,6 +83,7 @@ def _capabilities_table(reg: Registry) -> None:
             mark("logprobs" in c.sampling),
             mark(c.batching),
             mark(c.lora),
+            mark(c.speculative),
             mark(c.token_prompts),
             _esc(more or "-"),
         )

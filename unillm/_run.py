@@ -36,9 +36,11 @@ class Request:
     """
 
     __slots__ = (
+        "accepted_draft_tokens",
         "cached_tokens",
         "completion_tokens",
         "decode_s",
+        "draft_tokens",
         "finish_reason",
         "peak_memory_bytes",
         "prefill_s",
@@ -57,6 +59,8 @@ class Request:
         self.peak_memory_bytes: int | None = None
         self.queue_s: float | None = None
         self.stop_sequence: str | None = None
+        self.draft_tokens: int | None = None  # speculative decoding, where the engine counts them
+        self.accepted_draft_tokens: int | None = None
 
 
 class Run:
@@ -99,7 +103,7 @@ class Run:
             text,
             ids,
             self.finish or req.finish_reason or "stop",
-            Usage(req.prompt_tokens, n, req.cached_tokens),
+            Usage(req.prompt_tokens, n, req.cached_tokens, req.draft_tokens, req.accepted_draft_tokens),
             _timings(req, t0, self.first or end, end, n),
             lp,
             self._stop_sequence(req),

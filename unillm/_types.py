@@ -123,11 +123,15 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts of one request. ``cached_prompt_tokens`` is None when the engine cannot tell."""
+    """Token counts of one request. ``cached_prompt_tokens`` is None when the engine cannot tell;
+    ``draft_tokens``/``accepted_draft_tokens`` (speculative decoding: tokens a draft model
+    proposed, and how many of them the target kept) are None unless the engine reports them."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int | None = None
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -257,6 +261,8 @@ class Capabilities:
     lora: bool = False
     embeddings: bool = False
     devices: frozenset[str] = frozenset({"cpu"})
+    # speculative decoding with a draft model (the ``draft_model`` load option)
+    speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

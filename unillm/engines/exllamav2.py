@@ -75,7 +75,7 @@ NO_GPU = (
 ASSUME_GPU_ENV = "UNILLM_EXLLAMAV2_ASSUME_GPU"
 _DEFAULT_CONTEXT = 4096
 _PAGE = 256  # exllamav2's cache page; the cache holds whole pages
-_DRAFT_TOKENS = 4  # tokens a draft model proposes per step
+_DRAFT_TOKENS = 4  # tokens a draft model proposes per step: exllamav2's default
 _Prepared = tuple[list[int], Any, list[Any]]  # a request's prompt ids, its tensor, its job's filters
 
 
@@ -125,6 +125,9 @@ class ExLlamaV2Options(BaseModel):
         default=None,
         description="A small model directory with the same vocabulary, for speculative decoding.",
     )
+    num_draft_tokens: int | None = Field(
+        default=None, ge=1, le=8, description=f"Tokens drafted per step (at most 8); default {_DRAFT_TOKENS}."
+    )
     seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
 
     @field_validator("max_chunk_size")
@@ -152,6 +155,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         sampling=(STANDARD_SAMPLING | {"response_format"}) - {"logprobs", "logit_bias"},
         batching=False,  # True on an engine in paged mode (the dynamic generator batches jobs)
         devices=frozenset({"cuda", "rocm"}),
+        speculative=True,
     )
     Options: ClassVar[type[BaseModel]] = ExLlamaV2Options
     install_hint: ClassVar[str | None] = INSTALL_HINT
@@ -226,7 +230,9 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
 
         config = model_config(exl, path, "model")
         n_ctx = opts.max_seq_len or self.config.context_length or min(config.max_seq_len, _DEFAULT_CONTEXT)
-        draft_tokens = _DRAFT_TOKENS if opts.draft_model else 0
+        if opts.num_draft_tokens and not opts.draft_model:
+            raise ConfigError("num_draft_tokens is set without draft_model; set both or neither")
+        draft_tokens = (opts.num_draft_tokens or _DRAFT_TOKENS) if opts.draft_model else 0
         have_paged = bool(getattr(attn, "has_flash_attn_with_paged", False)) and not config.no_flash_attn
         paged = self.capabilities.batching  # what capabilities_for declared for these options
         if paged and not have_paged:
@@ -276,7 +282,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                     paged=paged,
                     draft_model=draft,
                     draft_cache=draft_cache,
-                    num_draft_tokens=_DRAFT_TOKENS,
+                    num_draft_tokens=draft_tokens or _DRAFT_TOKENS,
                 )
             except Exception as exc:
                 raise load_error(exc, "generator", "cache", str(path)) from exc
@@ -367,6 +373,9 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                         req.cached_tokens = r.get("cached_tokens")
                         req.prefill_s = r.get("time_prefill")
                         req.decode_s = r.get("time_generate")
+                        if "accepted_draft_tokens" in r:  # the drafts it verified, and kept
+                            req.accepted_draft_tokens = a = r["accepted_draft_tokens"]
+                            req.draft_tokens = a + r.get("rejected_draft_tokens", 0)
                         with self._stats_lock:  # prompt tokens looked up, and those the cache held
                             self._queries += req.prompt_tokens
                             self._hits += req.cached_tokens or 0

@@ -40,6 +40,7 @@ from unillm.backend import (
     kv_dtype,
     shared_prefix,
 )
+from unillm.engines._llamacpp_draft import Speculation, check_request, load_drafter, no_step
 from unillm.engines._llamacpp_grammar import add_grammar, eog_ids, grammar_for
 from unillm.engines._llamacpp_load import (
     LlamaLog,
@@ -114,6 +115,8 @@ class LlamaCppOptions(BaseModel):
         default=False,
         description="Load even when the weights and KV cache look larger than the free RAM.",
     )
+    draft_model: str | None = Field(default=None, description="Speculative: a draft GGUF or 'prompt-lookup'.")
+    num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step.")
 
 
 class LlamaCppEngine(Engine[LlamaCppOptions]):
@@ -126,6 +129,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"response_format"},  # through llama.cpp's grammar sampler
         devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
+        speculative=True,
     )
     Options: ClassVar[type[BaseModel]] = LlamaCppOptions
     install_hint: ClassVar[str | None] = INSTALL_HINT
@@ -254,6 +258,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 raise load_error(exc, log.text(), header, self.config.model) from exc
         metadata = full_metadata(llm, header, check_template=own_template, source=str(self._path))
         self._llm: Llama = llm
+        self._draft = load_drafter(llama_cpp, opts.draft_model, opts.num_draft_tokens, kwargs, llm)
         self._vocab = llm._model.vocab
         self._eog: frozenset[int] | None = None  # llama.cpp's end-of-generation set, on first use
         self._n_vocab = llm.n_vocab()
@@ -292,6 +297,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         check_prompt(ids, self._n_ctx, params.max_tokens)
         if (fmt := params.output_format) is not None:
             grammar_for(fmt)  # refused at the call, not at the first token
+        check_request(self._draft, params)  # what speculative decoding cannot do
         return ids
 
     def _stream(
@@ -323,7 +329,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         # time is known after the first sample, each decode step's after the following one.
         prefill_ms = -1.0
 
-        step = self._decode_step()
+        step = self._decode_step() if self._draft is None else no_step  # Speculation evaluates
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         decode = decoder.decode
         pieces = self._pieces
@@ -336,9 +342,10 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         want_lp = params.logprobs is not None
         max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
         n = 0
+        spec = None if self._draft is None else Speculation(llm, sampler, self._draft, max_tokens, req)
         try:
             while True:
-                tok = sampler.sample(ctx, -1)
+                tok = sampler.sample(ctx, -1) if spec is None else next(spec)
                 if prefill_ms < 0:
                     p = perf(ctx.ctx)
                     prefill_ms = p.t_p_eval_ms + p.t_eval_ms
@@ -358,7 +365,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             if prefill_ms >= 0:
                 p = perf(ctx.ctx)
                 req.prefill_s = prefill_ms / 1000
-                req.decode_s = (p.t_p_eval_ms + p.t_eval_ms - prefill_ms) / 1000
+                req.decode_s = (p.t_p_eval_ms + p.t_eval_ms - prefill_ms) / 1000 + getattr(spec, "seconds", 0)
             sampler.close()
 
     def _decode_step(self) -> Any:
@@ -487,5 +494,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
     def _close(self) -> None:
         llm = self.__dict__.pop("_llm", None)
+        if (draft := self.__dict__.pop("_draft", None)) is not None:
+            draft.close()
         if llm is not None:
             llm.close()

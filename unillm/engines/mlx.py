@@ -15,7 +15,7 @@ from contextlib import closing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from unillm._chat import check_chat_template
 from unillm._eos import eos_from_hf_dir
@@ -39,6 +39,15 @@ from unillm.backend import (
 )
 from unillm.engines._memory import MLX_MEMORY
 from unillm.engines._mlx_batch import Batcher, KeptCache
+from unillm.engines._mlx_draft import (
+    Tally,
+    check_options,
+    check_request,
+    draft_kwargs,
+    load_draft,
+    make_cache,
+    settle,
+)
 from unillm.engines._mlx_format import FormatGuide
 from unillm.engines._mlx_model import (
     activation_dtype,
@@ -93,6 +102,12 @@ class MLXOptions(BaseModel):
         description="Sequences decoded together by mlx-lm's BatchGenerator (continuous batching); "
         "1 runs one request at a time.",
     )
+    draft_model: str | None = Field(default=None, description="Speculative: a draft model directory.")
+    num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step.")
+
+    @model_validator(mode="after")
+    def _with_draft(self) -> MLXOptions:
+        return check_options(self)  # type: ignore[no-any-return]
 
 
 class MLXEngine(Engine[MLXOptions]):
@@ -107,6 +122,7 @@ class MLXEngine(Engine[MLXOptions]):
         batching=False,  # True on an engine whose batch_size > 1 (mlx-lm's BatchGenerator)
         lora=True,
         devices=frozenset({"cpu", "metal"}),
+        speculative=True,
     )
     Options: ClassVar[type[BaseModel]] = MLXOptions
     install_hint: ClassVar[str | None] = INSTALL_HINT
@@ -189,6 +205,7 @@ class MLXEngine(Engine[MLXOptions]):
         self._model: mlx.nn.Module = model
         self._tokenizer = tokenizer
         self._info = info
+        self._draft = load_draft(mlx_lm, opts.draft_model, opts.num_draft_tokens, tokenizer)
         trained = info.context_length
         limit = trained if trained else _DEFAULT_CONTEXT
         self._n_ctx = min(self.config.context_length or limit, limit)
@@ -250,6 +267,7 @@ class MLXEngine(Engine[MLXOptions]):
         check_prompt(ids, self._n_ctx if self.options.max_kv_size is None else None, params.max_tokens)
         if (fmt := params.output_format) is not None:
             self._guide.check(fmt)  # refused at the call, not at the first token
+        check_request(self._draft, params)
         return ids
 
     def _draw(self, params: SamplingParams) -> Any:
@@ -295,13 +313,16 @@ class MLXEngine(Engine[MLXOptions]):
             kv_bits=opts.kv_bits,
             kv_group_size=opts.kv_group_size,
             quantized_kv_start=opts.quantized_kv_start,
+            **draft_kwargs(self._draft),
         )
+        tally = Tally(self._draft, max_tokens, req)
         seen.extend(ids[cached:])
         last = None
         n = 0
         try:
             for last in gen:
                 tok = last.token
+                tally.see(last.from_draft)
                 seen.append(tok)
                 if last.finish_reason == "stop" and tok in tokenizer.eos_token_ids:
                     req.finish_reason = "stop"
@@ -321,7 +342,7 @@ class MLXEngine(Engine[MLXOptions]):
             gen.close()
             tokenizer.eos_token_ids = self._eos
             # What the cache holds now: everything fed to the model, which is what we saw.
-            offset = cache_offset(self._cache)
+            offset = settle(self._draft, self._cache, self._model, self._cache_mod)
             self._cache_tokens = seen[:offset] if offset is not None else []
             if last is not None:
                 evaluated = len(ids) - cached
@@ -400,7 +421,7 @@ class MLXEngine(Engine[MLXOptions]):
                 cache_mod.trim_prompt_cache(self._cache, offset - keep)
             if keep:
                 return keep
-        self._cache = cache_mod.make_prompt_cache(self._model, max_kv_size=self.options.max_kv_size)
+        self._cache = make_cache(self._draft, cache_mod, self._model, self.options.max_kv_size)
         return 0
 
     # ---- chat and tokenizer ----
@@ -465,7 +486,7 @@ class MLXEngine(Engine[MLXOptions]):
         if self._batcher is not None:
             self._batcher.close()
             self._batcher = None
-        for attr in ("_model", "_tokenizer", "_cache", "_kept"):
+        for attr in ("_model", "_tokenizer", "_cache", "_kept", "_draft"):
             self.__dict__.pop(attr, None)
         mx = self.__dict__.get("_mx")
         if mx is not None:
