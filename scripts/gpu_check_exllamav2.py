@@ -236,6 +236,18 @@ def main() -> int:
             f"the schema vs {plain:.0f} without"
         )
 
+    def speculative() -> tuple[bool, str]:
+        # the model drafting for itself: the same greedy tokens, (nearly) every draft kept
+        opts = {"draft_model": args.model, "num_draft_tokens": 4}
+        with auto_engine(args.model, backend="exllamav2", context_length=args.context, options=opts) as e:
+            outs = [e.generate(p, greedy) for p in PROMPTS]
+        plain = [engine.generate(p, greedy).token_ids for p in PROMPTS]
+        same = sum(o.token_ids == want for o, want in zip(outs, plain, strict=True))
+        drafted = sum(o.usage.draft_tokens or 0 for o in outs)
+        kept = sum(o.usage.accepted_draft_tokens or 0 for o in outs)
+        ok = same == len(PROMPTS) and 0 < kept <= drafted
+        return ok, f"{same}/{len(PROMPTS)} prompts the same, {kept}/{drafted} drafts kept"
+
     for name, fn in [
         ("greedy parity", parity),
         ("streaming", streaming),
@@ -243,6 +255,7 @@ def main() -> int:
         ("kv_stats", kv_stats),
         ("prefix reuse", prefix_reuse),
         ("structured output", structured),
+        ("speculative decoding", speculative),
     ]:
         check(name, fn)
     engine.close()
