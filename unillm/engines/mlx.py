@@ -37,17 +37,9 @@ from unillm.backend import (
     kv_bytes_per_token,
     shared_prefix,
 )
+from unillm.engines import _mlx_draft as spec  # speculative decoding (draft_model)
 from unillm.engines._memory import MLX_MEMORY
 from unillm.engines._mlx_batch import Batcher, KeptCache
-from unillm.engines._mlx_draft import (
-    Tally,
-    check_options,
-    check_request,
-    draft_kwargs,
-    load_draft,
-    make_cache,
-    settle,
-)
 from unillm.engines._mlx_format import FormatGuide
 from unillm.engines._mlx_model import (
     activation_dtype,
@@ -107,7 +99,7 @@ class MLXOptions(BaseModel):
 
     @model_validator(mode="after")
     def _with_draft(self) -> MLXOptions:
-        return check_options(self)  # type: ignore[no-any-return]
+        return spec.check_options(self)  # type: ignore[no-any-return]
 
 
 class MLXEngine(Engine[MLXOptions]):
@@ -205,7 +197,7 @@ class MLXEngine(Engine[MLXOptions]):
         self._model: mlx.nn.Module = model
         self._tokenizer = tokenizer
         self._info = info
-        self._draft = load_draft(mlx_lm, opts.draft_model, opts.num_draft_tokens, tokenizer)
+        self._draft = spec.load_draft(mlx_lm, opts.draft_model, opts.num_draft_tokens, tokenizer)
         trained = info.context_length
         limit = trained if trained else _DEFAULT_CONTEXT
         self._n_ctx = min(self.config.context_length or limit, limit)
@@ -267,7 +259,7 @@ class MLXEngine(Engine[MLXOptions]):
         check_prompt(ids, self._n_ctx if self.options.max_kv_size is None else None, params.max_tokens)
         if (fmt := params.output_format) is not None:
             self._guide.check(fmt)  # refused at the call, not at the first token
-        check_request(self._draft, params)
+        spec.check_request(self._draft, params)
         return ids
 
     def _draw(self, params: SamplingParams) -> Any:
@@ -313,9 +305,9 @@ class MLXEngine(Engine[MLXOptions]):
             kv_bits=opts.kv_bits,
             kv_group_size=opts.kv_group_size,
             quantized_kv_start=opts.quantized_kv_start,
-            **draft_kwargs(self._draft),
+            **spec.draft_kwargs(self._draft),
         )
-        tally = Tally(self._draft, max_tokens, req)
+        tally = spec.Tally(self._draft, max_tokens, req)
         seen.extend(ids[cached:])
         last = None
         n = 0
@@ -342,7 +334,7 @@ class MLXEngine(Engine[MLXOptions]):
             gen.close()
             tokenizer.eos_token_ids = self._eos
             # What the cache holds now: everything fed to the model, which is what we saw.
-            offset = settle(self._draft, self._cache, self._model, self._cache_mod)
+            offset = spec.settle(self._draft, self._cache, self._model, self._cache_mod)
             self._cache_tokens = seen[:offset] if offset is not None else []
             if last is not None:
                 evaluated = len(ids) - cached
@@ -421,7 +413,7 @@ class MLXEngine(Engine[MLXOptions]):
                 cache_mod.trim_prompt_cache(self._cache, offset - keep)
             if keep:
                 return keep
-        self._cache = make_cache(self._draft, cache_mod, self._model, self.options.max_kv_size)
+        self._cache = spec.make_cache(self._draft, cache_mod, self._model, self.options.max_kv_size)
         return 0
 
     # ---- chat and tokenizer ----
