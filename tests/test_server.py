@@ -250,7 +250,7 @@ LONG = "hello " * (CONTEXT + 100)
     [
         ({"max_tokens": CONTEXT + 1}, openai.BadRequestError, "max_tokens"),
         ({"extra_body": {"frobnicate": 1}}, openai.BadRequestError, "frobnicate"),
-        ({"logprobs": True, "top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),
+        ({"top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),  # without logprobs: true
         ({"tools": [TOOL]}, openai.BadRequestError, "tools"),
         ({"n": 2}, openai.BadRequestError, "n"),
         ({"response_format": BOUNDED}, openai.BadRequestError, "response_format"),

@@ -65,7 +65,15 @@ class SamplingParams(_Validated):
     min_tokens: int = Field(
         default=0, ge=0, description="Generate at least this many tokens before EOS/stop ids."
     )
-    logprobs: int | None = Field(default=None, ge=0, le=20, description="Return the chosen token's logprob.")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description=(
+            "Return the chosen token's logprob and, above 0, the k most likely tokens' at each step "
+            "(Completion.top_logprobs); the model's own distribution, before temperature and penalties."
+        ),
+    )
     logit_bias: dict[int, float] | None = Field(default=None, description="Token id -> added logit.")
     response_format: dict[str, Any] | type[BaseModel] | None = Field(
         default=None,

@@ -18,10 +18,37 @@ from unillm._errors import GenerationError
 from unillm._stop import StopMatcher
 from unillm._types import Chunk, Completion, FinishReason, SamplingParams, Timings, Usage
 
-__all__ = ["RawPiece", "Request", "Run", "afold", "fold", "iterate_in_thread"]
+__all__ = ["RawPiece", "Request", "Run", "TopLogprobs", "afold", "fold", "iterate_in_thread"]
 
-#: What a backend's ``_stream`` yields per step: text delta, token ids, logprobs or None.
-RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+TopK = tuple[tuple[int, float], ...]
+
+
+class TopLogprobs:
+    """A piece's logprobs with the alternatives: ``chosen`` (one per token id, as the plain tuple
+    would be) and ``top``, per token the ``k`` most likely ``(token_id, logprob)`` pairs, most
+    likely first, ties by the lower id. A backend yields it in place of the plain tuple when the
+    request asked for ``logprobs`` above 0."""
+
+    __slots__ = ("chosen", "top")
+
+    def __init__(self, chosen: tuple[float, ...], top: tuple[TopK, ...]) -> None:
+        self.chosen = chosen
+        self.top = top
+
+    def __repr__(self) -> str:
+        return f"TopLogprobs({self.chosen!r}, {self.top!r})"
+
+
+#: What a backend's ``_stream`` yields per step: text delta, token ids, and None, the chosen
+#: tokens' logprobs, or ``TopLogprobs`` (those and the alternatives).
+RawPiece = tuple[str, tuple[int, ...], "tuple[float, ...] | TopLogprobs | None"]
+LP = tuple[float, ...] | TopLogprobs | None
+
+
+def _split(lp: LP) -> tuple[tuple[float, ...] | None, tuple[TopK, ...] | None]:
+    if type(lp) is TopLogprobs:
+        return lp.chosen, lp.top
+    return lp, None  # type: ignore[return-value]
 
 
 class Request:
@@ -77,7 +104,7 @@ class Run:
         self.finish: FinishReason | None = None
         self.tail: RawPiece = ("", (), None)
 
-    def step(self, text: str, ids: tuple[int, ...], lp: tuple[float, ...] | None) -> Chunk | None:
+    def step(self, text: str, ids: tuple[int, ...], lp: LP) -> Chunk | None:
         """The chunk for one raw piece, or None when this piece ends the completion."""
         if not self.first:
             self.first = perf_counter()
@@ -90,12 +117,15 @@ class Run:
         if self.n >= self.max_tokens:
             self.finish, self.tail = "length", (out, ids, lp)
             return None
-        return Chunk(out, ids, None, None, None, lp)
+        if type(lp) is TopLogprobs:
+            return Chunk(out, ids, None, None, None, lp.chosen, top_logprobs=lp.top)
+        return Chunk(out, ids, None, None, None, lp)  # type: ignore[arg-type]
 
     def last(self, req: Request, t0: float) -> Chunk:
         """The final chunk: what the cut held back, the finish reason, usage and timings."""
         end = perf_counter()
-        text, ids, lp = self.tail
+        text, ids, raw = self.tail
+        lp, top = _split(raw)
         if self.stops is not None and not self.stops.stopped:
             text += self.stops.flush()
         n = self.n if req.completion_tokens is None else req.completion_tokens
@@ -107,6 +137,7 @@ class Run:
             _timings(req, t0, self.first or end, end, n),
             lp,
             self._stop_sequence(req),
+            top_logprobs=top,
         )
 
     def _stop_sequence(self, req: Request) -> str | None:
@@ -154,30 +185,41 @@ def fold(chunks: Iterator[Chunk], params: SamplingParams | None = None) -> Compl
     parts: list[str] = []
     ids: list[int] = []
     lps: list[float] = []
+    tops: list[TopK] = []
     last: Chunk | None = None
     for last in chunks:
         parts.append(last.text)
         ids.extend(last.token_ids)
         if last.logprobs is not None:
             lps.extend(last.logprobs)
-    return _completion(parts, ids, lps, last, params)
+        if last.top_logprobs is not None:
+            tops.extend(last.top_logprobs)
+    return _completion(parts, ids, lps, tops, last, params)
 
 
 async def afold(chunks: AsyncIterator[Chunk], params: SamplingParams | None = None) -> Completion:
     parts: list[str] = []
     ids: list[int] = []
     lps: list[float] = []
+    tops: list[TopK] = []
     last: Chunk | None = None
     async for last in chunks:
         parts.append(last.text)
         ids.extend(last.token_ids)
         if last.logprobs is not None:
             lps.extend(last.logprobs)
-    return _completion(parts, ids, lps, last, params)
+        if last.top_logprobs is not None:
+            tops.extend(last.top_logprobs)
+    return _completion(parts, ids, lps, tops, last, params)
 
 
 def _completion(
-    parts: list[str], ids: list[int], lps: list[float], last: Chunk | None, params: SamplingParams | None
+    parts: list[str],
+    ids: list[int],
+    lps: list[float],
+    tops: list[TopK],
+    last: Chunk | None,
+    params: SamplingParams | None,
 ) -> Completion:
     if last is None or last.finish_reason is None or last.usage is None or last.timings is None:
         raise GenerationError("the stream ended without its final chunk")
@@ -191,6 +233,7 @@ def _completion(
         last.stop_sequence,
         params.output_format if params is not None and params.response_format is not None else None,
         last.tool_calls,
+        tuple(tops) if tops else None,
     )
 
 

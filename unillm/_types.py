@@ -173,6 +173,8 @@ class Chunk:
     logprobs: tuple[float, ...] | None = None
     stop_sequence: str | None = None  # the stop string that ended the completion, if one did
     tool_calls: tuple[ToolCall, ...] = ()  # the calls parsed from the whole text (chat with tools)
+    #: with ``logprobs=k`` above 0: per token, the k most likely ``(token_id, logprob)``, best first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,9 @@ class Completion:
     output_format: OutputFormat | None = None  # the response_format it was generated under
     #: the tool calls the model made (chat with ``tools``); ``text`` keeps what it wrote for them
     tool_calls: tuple[ToolCall, ...] = ()
+    #: with ``logprobs=k`` above 0: per token, the k most likely ``(token_id, logprob)``, best first
+    #: (ties: the lower id first); ``logprobs`` holds the chosen token's, which may be outside them
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def parsed(self) -> Any:
         """The text parsed and validated under the request's ``response_format``: the pydantic

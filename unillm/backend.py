@@ -5,7 +5,8 @@ through one). What it holds:
 
 The contract
     ``Engine`` (subclass it), ``NoOptions``, ``Request`` (per-request bookkeeping ``_stream``
-    fills in), ``RawPiece`` (what ``_stream`` yields), ``Capabilities``, ``Availability``,
+    fills in), ``RawPiece`` (what ``_stream`` yields), ``TopLogprobs`` (its logprobs with
+    the alternatives), ``Capabilities``, ``Availability``,
     ``Suitability``, ``SamplingParams``, ``EngineConfig``, ``KVStats``, ``STANDARD_SAMPLING`` (the
     sampling set a full-featured engine honours).
 
@@ -43,7 +44,7 @@ from unillm._guide import GuideEntry
 from unillm._hardware import EngineBuild
 from unillm._kv import KV_BYTES_PER_ELEMENT, kv_bytes_per_element, kv_bytes_per_token, kv_dtype
 from unillm._plan import tensor_parallel_ok
-from unillm._run import RawPiece, Request
+from unillm._run import RawPiece, Request, TopLogprobs
 from unillm._types import (
     STANDARD_SAMPLING,
     Availability,
@@ -77,6 +78,7 @@ __all__ = [
     "SamplingParams",
     "StepWorker",
     "Suitability",
+    "TopLogprobs",
     "available_ram_bytes",
     "check_prompt",
     "check_text",

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unillm._errors import ConfigError
+from unillm.backend import TopLogprobs
+from unillm.engines._logprobs import from_vllm
 
 if TYPE_CHECKING:
     from unillm.backend import Request, SamplingParams
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Piece", "piece", "sampling_params"]
 
-Piece = tuple[str, tuple[int, ...], "tuple[float, ...] | None"]
+Piece = tuple[str, tuple[int, ...], "tuple[float, ...] | TopLogprobs | None"]
 
 
 def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: frozenset[int]) -> Any:
@@ -54,7 +56,7 @@ def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: froze
             stop=list(params.stop) or None,
             stop_token_ids=sorted(stop_ids) or None,
             ignore_eos=True,
-            logprobs=0 if params.logprobs is not None else None,
+            logprobs=params.logprobs,
             logit_bias=params.logit_bias,
             structured_outputs=structured,
             output_kind=v.RequestOutputKind.DELTA,
@@ -63,18 +65,16 @@ def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: froze
         raise ConfigError(f"vLLM refuses these sampling parameters: {exc}") from exc
 
 
-def piece(out: Any, req: Request) -> Piece | None:
-    """One vLLM ``RequestOutput`` (a delta) as a raw piece; the last one fills ``req``."""
+def piece(out: Any, req: Request, k: int | None = None) -> Piece | None:
+    """One vLLM ``RequestOutput`` (a delta) as a raw piece; the last one fills ``req``. ``k``: the
+    request's ``logprobs`` (vLLM's logprobs are the raw model's, its default ``raw_logprobs``)."""
     o = out.outputs[0]
     ids = tuple(o.token_ids)
-    lp = None
-    if o.logprobs:
-        lp = tuple(step[t].logprob for step, t in zip(o.logprobs, ids, strict=False))
     if out.finished and isinstance(o.stop_reason, int) and ids and ids[-1] == o.stop_reason:
         # The stop token (an EOS of the set or a user's stop id) ends the completion without
         # being part of it, as on every backend; vLLM already left its text out.
         ids = ids[:-1]
-        lp = lp[: len(ids)] if lp is not None else None
+    lp = from_vllm(o.logprobs, ids, k or 0) if o.logprobs else None
     if out.finished:
         req.finish_reason = "length" if o.finish_reason == "length" else "stop"
         if isinstance(o.stop_reason, str):  # vLLM matched one of our stop strings itself

@@ -32,9 +32,11 @@ from unillm.backend import (
     Facts,
     Fallback,
     KVStats,
+    RawPiece,
     Request,
     SamplingParams,
     Suitability,
+    TopLogprobs,
     check_prompt,
     installed,
     kv_dtype,
@@ -53,6 +55,7 @@ from unillm.engines._llamacpp_load import (
     model_shape,
     no_chat_handlers,
 )
+from unillm.engines._logprobs import from_logits
 from unillm.engines._memory import LLAMACPP_MEMORY
 
 if TYPE_CHECKING:
@@ -300,9 +303,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         check_request(self._draft, params)  # what speculative decoding cannot do
         return ids
 
-    def _stream(
-        self, ids: list[int], params: SamplingParams, req: Request
-    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+    def _stream(self, ids: list[int], params: SamplingParams, req: Request) -> Iterator[RawPiece]:
         llm, ctx = self._llm, self._llm._ctx
         n_prompt = len(ids)
         req.prompt_tokens = n_prompt
@@ -339,7 +340,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             # a finished grammar allows only llama.cpp's end-of-generation tokens, and accepting
             # anything after it aborts the process: every one of them ends the output
             stop_ids |= self._eog_ids()
-        want_lp = params.logprobs is not None
+        want_lp, k = params.logprobs is not None, params.logprobs or 0
         max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
         n = 0
         spec = None if self._draft is None else Speculation(llm, sampler, self._draft, max_tokens, req)
@@ -356,7 +357,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 if piece is None:  # first sight of this token: ask llama.cpp once, then remember
                     piece = pieces[tok] = llm.detokenize([tok])
                 n += 1
-                yield decode(piece), (tok,), (self._logprob(tok),) if want_lp else None
+                yield decode(piece), (tok,), self._logprob(tok, k) if want_lp else None
                 if n >= max_tokens:
                     req.finish_reason = "length"
                     return
@@ -437,12 +438,12 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             self._eog = eog_ids(self._vocab, self._n_vocab)
         return self._eog
 
-    def _logprob(self, tok: int) -> float:
+    def _logprob(self, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+        """From the last step's raw logits: before the sampler chain's penalties and temperature."""
         import numpy as np
 
         logits = np.ctypeslib.as_array(self._llm._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-        top = float(logits.max())
-        return float(logits[tok] - top - np.log(np.exp(logits - top).sum()))
+        return from_logits(logits, tok, k)
 
     def _one_token(self, text: str) -> int | None:
         ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)

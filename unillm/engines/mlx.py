@@ -30,6 +30,7 @@ from unillm.backend import (
     Facts,
     Fallback,
     KVStats,
+    RawPiece,
     Request,
     SamplingParams,
     check_prompt,
@@ -38,6 +39,7 @@ from unillm.backend import (
     shared_prefix,
 )
 from unillm.engines import _mlx_draft as spec  # speculative decoding (draft_model)
+from unillm.engines._logprobs import from_mlx
 from unillm.engines._memory import MLX_MEMORY
 from unillm.engines._mlx_batch import Batcher, KeptCache
 from unillm.engines._mlx_format import FormatGuide
@@ -268,16 +270,12 @@ class MLXEngine(Engine[MLXOptions]):
         fmt = params.output_format
         return draw if fmt is None else self._guide.constrain(self._mx, draw, fmt)
 
-    def _stream(
-        self, ids: list[int], params: SamplingParams, req: Request
-    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+    def _stream(self, ids: list[int], params: SamplingParams, req: Request) -> Iterator[RawPiece]:
         if self._batcher is not None:
             return self._stream_batched(ids, params, req)
         return self._stream_single(ids, params, req)
 
-    def _stream_single(
-        self, ids: list[int], params: SamplingParams, req: Request
-    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+    def _stream_single(self, ids: list[int], params: SamplingParams, req: Request) -> Iterator[RawPiece]:
         mx, opts, tokenizer = self._mx, self.options, self._tokenizer
         req.prompt_tokens = len(ids)
         cached = self._reuse_prefix(ids)
@@ -289,7 +287,7 @@ class MLXEngine(Engine[MLXOptions]):
         max_tokens = params.max_tokens
         if opts.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
-        want_lp = params.logprobs is not None
+        want_lp, k = params.logprobs is not None, params.logprobs or 0
         stop_ids = frozenset(params.stop_token_ids)
         if params.ignore_eos:
             tokenizer.eos_token_ids = set()
@@ -325,7 +323,7 @@ class MLXEngine(Engine[MLXOptions]):
                     req.finish_reason = "stop"
                     return
                 n += 1
-                lp = (float(last.logprobs[tok].item()),) if want_lp else None  # type: ignore[arg-type]
+                lp = from_mlx(last.logprobs, tok, k) if want_lp else None
                 yield last.text, (tok,), lp
                 if last.finish_reason == "length" or n >= max_tokens:
                     req.finish_reason = "length"
@@ -342,9 +340,7 @@ class MLXEngine(Engine[MLXOptions]):
                 req.decode_s = last.generation_tokens / last.generation_tps if last.generation_tps else 0.0
                 req.peak_memory_bytes = int(last.peak_memory * 1e9)
 
-    def _stream_batched(
-        self, ids: list[int], params: SamplingParams, req: Request
-    ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
+    def _stream_batched(self, ids: list[int], params: SamplingParams, req: Request) -> Iterator[RawPiece]:
         batcher = self._batcher  # close() drops the attribute while this stream may still run
         assert batcher is not None
         req.prompt_tokens = len(ids)
@@ -366,7 +362,7 @@ class MLXEngine(Engine[MLXOptions]):
         )
         detok = self._tokenizer.detokenizer  # a fresh one per request
         stop_ids = frozenset(params.stop_token_ids)
-        want_lp = params.logprobs is not None
+        want_lp, k = params.logprobs is not None, params.logprobs or 0
         key = id(req)
         self._inflight[key] = len(ids)
         try:
@@ -386,7 +382,7 @@ class MLXEngine(Engine[MLXOptions]):
                         return
                     detok.add_token(tok)
                     self._inflight[key] += 1
-                    lp = (float(r.logprobs[tok].item()),) if want_lp else None  # type: ignore[arg-type]
+                    lp = from_mlx(r.logprobs, tok, k) if want_lp else None
                     if r.finish_reason == "length":
                         req.finish_reason = "length"
                         self._kept.keep(r)

@@ -269,7 +269,7 @@ class VLLMEngine(Engine[VLLMOptions]):
                 return
             rid = f"unillm-{next(_ids)}"
             async for out in engine.generate(self._vllm.tokens_input(ids), sp, rid):
-                raw = piece(out, req)
+                raw = piece(out, req, sp.logprobs)
                 if raw is not None:
                     put(raw)
         except asyncio.CancelledError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -22,6 +22,7 @@ from unillm._run import afold
 from unillm._tools import ToolCallParseError, ToolSpec, openai_tool_call, parse_tool_calls
 from unillm._types import Chunk
 from unillm.server._generate import ApiError, stream
+from unillm.server._logprobs import chat_logprobs, completion_logprobs
 from unillm.server._request import (
     chat_prompt,
     check_common,
@@ -70,16 +71,13 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     check_common(body)
     tools = read_request_tools(body)
-    if body.top_logprobs:
-        raise ApiError(
-            400,
-            "top_logprobs: alternatives to the chosen token are not returned yet; send 0 or leave it out",
-            param="top_logprobs", code="unsupported_parameter",
-        )  # fmt: skip
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     slot, engine = await engine_for(state, body.model, record)
     prompt = await chat_prompt(engine, body.messages, tools)
     asked = body.max_completion_tokens or body.max_tokens
-    params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=0 if body.logprobs else None)
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=k)
     if tools is not None:
         params = _forced(engine, params, tools)
     chunks = stream(state, slot, engine, prompt, params, record)
@@ -93,7 +91,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": done.text},
-            "logprobs": _chat_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
+            "logprobs": chat_logprobs(engine, done) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
             "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
         }
@@ -101,7 +99,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     head, last = _framing(cid, "chat.completion.chunk", created, slot.alias, body, '"delta":{}')
 
     def event(chunk: Chunk) -> str:
-        lp = dumps(_chat_logprobs(engine, chunk.token_ids, chunk.logprobs)) if want_lp else "null"
+        lp = dumps(chat_logprobs(engine, chunk)) if want_lp else "null"
         text = dumps(chunk.text)
         return f'data: {head}"delta":{{"content":{text}}},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
 
@@ -120,11 +118,6 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     for name, asked in refused.items():
         if asked:
             raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
-    if body.logprobs:
-        raise ApiError(
-            400, "logprobs: alternatives to the chosen token are not returned yet; send 0 for the chosen "
-            "token's logprob", param="logprobs", code="unsupported_parameter",
-        )  # fmt: skip
     prompt = _one_prompt(body.prompt)
     slot, engine = await engine_for(state, body.model, record)
     params = openai_sampling(state, engine, slot.alias, body, body.max_tokens, logprobs=body.logprobs)
@@ -136,7 +129,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         choice = {
             "index": 0,
             "text": done.text,
-            "logprobs": _completion_logprobs(engine, done.token_ids, done.logprobs) if want_lp else None,
+            "logprobs": completion_logprobs(engine, done) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
             "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
         }
@@ -148,7 +141,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     def event(chunk: Chunk) -> str:
         lp = "null"
         if want_lp:
-            lp = dumps(_completion_logprobs(engine, chunk.token_ids, chunk.logprobs, sent[0]))
+            lp = dumps(completion_logprobs(engine, chunk, sent[0]))
             sent[0] += len(chunk.text)
         text = dumps(chunk.text)
         return f'data: {head}"text":{text},"logprobs":{lp},"finish_reason":null}}]}}\n\n'
@@ -182,7 +175,7 @@ def _tool_answer(
         calls = calls[:1]
     finish = "tool_calls" if calls else _finish(done.finish_reason)
     wire = [openai_tool_call(c) for c in calls]
-    lp = _chat_logprobs(engine, done.token_ids, done.logprobs) if body.logprobs else None
+    lp = chat_logprobs(engine, done) if body.logprobs else None
     if not body.stream:
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
@@ -288,23 +281,3 @@ def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | 
     if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         return prompt[0]  # type: ignore[return-value]
     raise ApiError(400, "send one prompt per request (a string or a list of token ids)", param="prompt")
-
-
-def _chat_logprobs(engine: Engine[Any], ids: Sequence[int], lps: Sequence[float] | None) -> dict[str, Any]:
-    entries = []
-    for tid, lp in zip(ids, lps or (), strict=False):
-        token = engine.detokenize([tid])
-        entries.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
-    return {"content": entries}
-
-
-def _completion_logprobs(
-    engine: Engine[Any], ids: Sequence[int], lps: Sequence[float] | None, at: int = 0
-) -> dict[str, Any]:
-    """OpenAI's completions logprobs; ``at`` is where these tokens start in the whole text."""
-    tokens = [engine.detokenize([t]) for t in ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": list(lps or ()), "top_logprobs": None, "text_offset": offsets}

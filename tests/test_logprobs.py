@@ -1,0 +1,253 @@
+"""Top-k logprobs in one shape on every engine that has them: ``logprobs=k`` gives the chosen
+token's logprob and, above 0, the k most likely ``(token_id, logprob)`` per token, best first, ties
+by the lower id. Real engines on the tiny model (llama.cpp on its f32 GGUF, MLX single and batched
+and vLLM on its HF directory: the same tensors), each opened once for the module; the OpenAI shapes
+through a real ``unillm serve`` and the official client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from unillm import Chunk, SamplingParams, load_engine
+from unillm._run import Request, Run, fold
+from unillm.backend import TopLogprobs
+from unillm.testing import TinyModel
+
+from ._server_util import Server, start_server
+
+HAS = {m: importlib.util.find_spec(m) is not None for m in ("llama_cpp", "mlx_lm", "vllm")}
+pytestmark = pytest.mark.skipif(not (HAS["llama_cpp"] and HAS["mlx_lm"]), reason="needs llama.cpp and MLX")
+
+K = 5
+PROMPTS = ["The quick brown fox", "Once upon a time", "0 1 2 3 4 5", "Why is the sky blue?"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=K)
+# The largest difference between two engines' logprob of the same token at the same step, on these
+# prompts' greedy paths, top 5: measured 2.1e-3 nats between llama.cpp and MLX (llama.cpp keeps its
+# KV cache in f16, MLX and vLLM in f32) and ~1e-5 between MLX and vLLM. Margin x5.
+TOLERANCE = 1e-2
+ENGINES = ["llama.cpp", "mlx-single", "mlx-batched", "vllm"]
+
+
+def _open(name: str, tiny: TinyModel) -> Any:
+    if name == "llama.cpp":
+        spec = {
+            "model": str(tiny.gguf_path),
+            "backend": "llama.cpp",
+            "backend_options": {"llama.cpp": {"n_threads": 2}},
+        }
+    elif name.startswith("mlx"):
+        spec = {"model": str(tiny.hf_dir), "backend": "mlx",
+                "backend_options": {"mlx": {"batch_size": 8 if name == "mlx-batched" else 1}}}  # fmt: skip
+    else:
+        opts = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 8, "seed": 0}
+        spec = {"model": str(tiny.hf_dir), "backend": "vllm", "backend_options": {"vllm": opts}}
+    return load_engine({**spec, "context_length": 512})
+
+
+@pytest.fixture(scope="module")
+def engines(tiny: TinyModel) -> Iterator[dict[str, Any]]:
+    """Every engine installed here, opened once (vLLM's start is the module's longest wait)."""
+    opened: dict[str, Any] = {}
+    try:
+        for name in ENGINES:
+            if name != "vllm" or HAS["vllm"]:
+                opened[name] = _open(name, tiny)
+        yield opened
+    finally:
+        for e in opened.values():
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def runs(engines: dict[str, Any]) -> dict[str, list[Any]]:
+    """Each engine's greedy completions of PROMPTS with top-5 logprobs."""
+    return {name: [e.generate(p, GREEDY) for p in PROMPTS] for name, e in engines.items()}
+
+
+def _logsumexp(xs: list[float]) -> float:
+    top = max(xs)
+    return top + math.log(sum(math.exp(x - top) for x in xs))
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_shape_sorting_and_the_chosen_token(name: str, runs: dict[str, list[Any]]) -> None:
+    if name not in runs:
+        pytest.skip(f"{name} is not installed")
+    for c in runs[name]:
+        assert c.top_logprobs is not None and c.logprobs is not None
+        assert len(c.top_logprobs) == len(c.logprobs) == len(c.token_ids) == 16
+        for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+            assert len(top) == K and len({t for t, _ in top}) == K, top
+            assert all(isinstance(t, int) and isinstance(v, float) for t, v in top)
+            assert list(top) == sorted(top, key=lambda p: (-p[1], p[0])), top
+            assert _logsumexp([v for _, v in top]) <= 1e-5, top  # k tokens hold at most all the mass
+            assert lp <= 0.0
+            mine = dict(top)
+            assert tok in mine, (tok, top)  # greedy: the chosen token is the most likely
+            assert mine[tok] == pytest.approx(lp, abs=1e-6)
+            assert lp == pytest.approx(top[0][1], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_k0_gives_the_chosen_only_and_none_gives_nothing(name: str, engines: dict[str, Any]) -> None:
+    if name not in engines:
+        pytest.skip(f"{name} is not installed")
+    e = engines[name]
+    zero = e.generate(PROMPTS[0], GREEDY.model_copy(update={"logprobs": 0}))
+    assert zero.logprobs is not None and len(zero.logprobs) == len(zero.token_ids)
+    assert zero.top_logprobs is None
+    none = e.generate(PROMPTS[0], GREEDY.model_copy(update={"logprobs": None}))
+    assert none.logprobs is None and none.top_logprobs is None
+    assert none.token_ids == zero.token_ids
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_streamed_and_whole_agree(name: str, engines: dict[str, Any], runs: dict[str, list[Any]]) -> None:
+    if name not in engines:
+        pytest.skip(f"{name} is not installed")
+    chunks = list(engines[name].stream(PROMPTS[1], GREEDY))
+    tops = [t for c in chunks if c.top_logprobs for t in c.top_logprobs]
+    whole = runs[name][1]
+    assert whole.top_logprobs is not None
+    assert sum(len(c.token_ids) for c in chunks) == len(tops) == len(whole.top_logprobs)
+    for got, want in zip(tops, whole.top_logprobs, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-5)
+
+
+def test_the_same_weights_give_the_same_top_k_on_every_engine(runs: dict[str, list[Any]]) -> None:
+    """Greedy, same tensors: along the steps where two engines chose the same tokens, the same
+    top-5 ids and logprobs within TOLERANCE. An id one engine ranks in its top 5 and another not
+    must sit at the other's boundary (a near-tie for fifth place)."""
+    worst: dict[str, float] = {}
+    steps = 0
+    for x, y in itertools.combinations(runs, 2):
+        pair = f"{x} / {y}"
+        worst[pair] = 0.0
+        for a, b in zip(runs[x], runs[y], strict=True):
+            assert a.top_logprobs is not None and b.top_logprobs is not None
+            for ta, tb, ia, ib in zip(a.top_logprobs, b.top_logprobs, a.token_ids, b.token_ids, strict=True):
+                da, db = dict(ta), dict(tb)
+                for tok in da.keys() & db.keys():
+                    worst[pair] = max(worst[pair], abs(da[tok] - db[tok]))
+                for tok in da.keys() ^ db.keys():  # only at the boundary
+                    here, there = (da, db) if tok in da else (db, da)
+                    assert here[tok] <= min(there.values()) + TOLERANCE, (pair, tok, ta, tb)
+                steps += 1
+                if ia != ib:  # the paths part here (a near-tie); what follows is not comparable
+                    break
+    print("max abs logprob difference:", {k: f"{v:.2e}" for k, v in worst.items()})
+    assert all(w <= TOLERANCE for w in worst.values()), worst
+    pairs = len(runs) * (len(runs) - 1) // 2
+    assert steps >= pairs * len(PROMPTS) * 8  # most of each path was compared
+
+
+def test_a_plugin_yielding_plain_tuples_still_works_and_top_logprobs_fold() -> None:
+    """``RawPiece``'s third item may be a plain tuple (plugins written before top-k) or
+    ``TopLogprobs``; the Run and the folds carry both."""
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    run, req = Run(params), Request()
+    top = ((3, -0.1), (4, -2.5))
+    chunks: list[Chunk] = []
+    for piece in [("a", (3,), (-0.1,)), ("b", (3,), TopLogprobs((-0.1,), (top,))), ("", (), None)]:
+        chunk = run.step(*piece)
+        assert chunk is not None
+        chunks.append(chunk)
+    chunks.append(run.last(req, 0.0))
+    assert chunks[0].logprobs == (-0.1,) and chunks[0].top_logprobs is None
+    assert chunks[1].logprobs == (-0.1,) and chunks[1].top_logprobs == (top,)
+    done = fold(iter(chunks))
+    assert done.logprobs == (-0.1, -0.1) and done.top_logprobs == (top,)
+
+
+# ---- the OpenAI shapes, through a real server on llama.cpp ----
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf: Path) -> Iterator[Server]:
+    s = start_server([str(tiny_gguf), "--backend", "llama.cpp", "--alias", "tiny"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+
+
+def _own(engines: dict[str, Any], prompt: str) -> Any:
+    return engines["llama.cpp"].generate(prompt, GREEDY.model_copy(update={"max_tokens": 8, "logprobs": 3}))
+
+
+def test_completions_return_the_legacy_object(client: openai.OpenAI, engines: dict[str, Any]) -> None:
+    want = _own(engines, PROMPTS[0])
+    llama = engines["llama.cpp"]
+    kw: dict[str, Any] = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                          "logprobs": 3, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kw).choices[0].logprobs
+    assert whole is not None and whole.top_logprobs is not None and whole.token_logprobs is not None
+    assert whole.tokens == [llama.detokenize([t]) for t in want.token_ids]
+    assert whole.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
+    for token, lp, got, top in zip(whole.tokens, whole.token_logprobs, whole.top_logprobs, want.top_logprobs,
+                                   strict=True):  # fmt: skip
+        expected = {}
+        for t, v in top:
+            expected.setdefault(llama.detokenize([t]), v)
+        expected.setdefault(token, lp)  # the chosen token is always there, as OpenAI's
+        assert got.keys() == expected.keys() and list(got.values()) == pytest.approx(
+            list(expected.values()), abs=1e-5
+        )
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices]
+    parts = [lp for lp in streamed if lp is not None and lp.tokens]
+    assert [t for p in parts for t in p.tokens] == whole.tokens
+    streamed_top = [d for p in parts for d in (p.top_logprobs or [])]
+    assert [list(d) for d in streamed_top] == [list(d) for d in whole.top_logprobs]
+    # another run of the same greedy request (its prompt now cached): equal to float32 rounding
+    for got, want in zip(streamed_top, whole.top_logprobs, strict=True):
+        assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+    assert [o for p in parts for o in (p.text_offset or [])] == whole.text_offset
+    zero = client.completions.create(**{**kw, "logprobs": 0}).choices[0].logprobs
+    assert zero is not None and zero.top_logprobs is None and len(zero.token_logprobs or []) == 8
+
+
+def test_chat_returns_top_logprobs_per_token(client: openai.OpenAI) -> None:
+    chat = [{"role": "user", "content": "Hello"}]
+    kw: dict[str, Any] = {"model": "tiny", "messages": chat, "max_tokens": 8, "temperature": 0,
+                          "logprobs": True, "top_logprobs": 3,
+                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0].logprobs
+    assert whole is not None and whole.content is not None and len(whole.content) == 8
+    for entry in whole.content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+    streamed = [
+        e for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
+        for e in c.choices[0].logprobs.content
+    ]  # fmt: skip
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in whole.content
+    ]
+    flat = [[e.logprob, *(t.logprob for t in e.top_logprobs)] for e in streamed]
+    assert flat == [
+        pytest.approx([e.logprob, *(t.logprob for t in e.top_logprobs)], abs=1e-5) for e in whole.content
+    ]
+    plain = client.chat.completions.create(**{**kw, "top_logprobs": 0}).choices[0].logprobs
+    assert plain is not None and plain.content is not None
+    assert all(e.top_logprobs == [] for e in plain.content)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**{**kw, "logprobs": False})
+    assert refused.value.param == "top_logprobs"  # type: ignore[attr-defined]

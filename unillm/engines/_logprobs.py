@@ -1,0 +1,74 @@
+"""Logprobs in one shape for the built-in engines: the chosen token's, and with ``logprobs=k`` above
+0 the k most likely tokens' (``TopLogprobs``), most likely first, ties by the lower id so engines
+agree. Always of the model's own distribution: the log-softmax of the raw logits, before
+temperature, penalties, bias or a format's mask. numpy is imported at the first call, by a request
+that asked for logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unillm.backend import TopLogprobs
+
+__all__ = ["from_logits", "from_logprobs", "from_mlx", "from_vllm", "top_k"]
+
+
+def top_k(lp: Any, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` largest entries of a 1-D numpy array as ``(index, value)``, largest first, ties by
+    the lower index (every entry tied with the k-th is a candidate, so the choice is exact)."""
+    import numpy as np
+
+    n = lp.shape[0]
+    k = min(k, n)
+    if k <= 0:
+        return ()
+    kth = np.partition(lp, n - k)[n - k]
+    idx = np.flatnonzero(lp >= kth)
+    vals = lp[idx]
+    order = np.lexsort((idx, -vals))[:k]  # by value descending, then by id
+    return tuple((int(idx[i]), float(vals[i])) for i in order)
+
+
+def from_logprobs(lp: Any, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+    """One token's logprobs from a numpy vector of the model's log-probabilities."""
+    chosen = (float(lp[tok]),)
+    return TopLogprobs(chosen, (top_k(lp, k),)) if k > 0 else chosen
+
+
+def from_logits(logits: Any, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+    """One token's logprobs from a numpy vector of raw logits (log-softmax in float32, as vLLM's)."""
+    import numpy as np
+
+    top = logits.max()
+    lp = logits - (top + np.log(np.exp(logits - top).sum()))
+    if k <= 0:
+        return (float(lp[tok]),)
+    return from_logprobs(lp, tok, k)
+
+
+def from_mlx(lp: Any, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+    """One token's logprobs from mlx-lm's vector of log-probabilities (an ``mx.array``)."""
+    if k <= 0:
+        return (float(lp[tok].item()),)
+    import mlx.core as mx
+    import numpy as np
+
+    return from_logprobs(np.array(lp.astype(mx.float32)), tok, k)
+
+
+def from_vllm(steps: Any, ids: tuple[int, ...], k: int) -> tuple[float, ...] | TopLogprobs:
+    """A vLLM delta's logprobs: per token a dict ``{id: Logprob}`` of the top k plus the chosen
+    one (k + 1 entries when the chosen is outside them). ``top`` gets exactly the top k."""
+    chosen = tuple(step[t].logprob for step, t in zip(steps, ids, strict=False))
+    if k <= 0:
+        return chosen
+    top = tuple(
+        tuple(sorted(((int(t), float(p.logprob)) for t, p in step.items()), key=_best_first)[:k])
+        for step in steps[: len(chosen)]
+    )
+    return TopLogprobs(chosen, top)
+
+
+def _best_first(pair: tuple[int, float]) -> tuple[float, int]:
+    return -pair[1], pair[0]
