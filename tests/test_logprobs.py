@@ -31,9 +31,10 @@ K = 5
 PROMPTS = ["The quick brown fox", "Once upon a time", "0 1 2 3 4 5", "Why is the sky blue?"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=K)
 # The largest difference between two engines' logprob of the same token at the same step, on these
-# prompts' greedy paths, top 5: measured 2.1e-3 nats between llama.cpp and MLX (llama.cpp keeps its
-# KV cache in f16, MLX and vLLM in f32) and ~1e-5 between MLX and vLLM. Margin x5.
-TOLERANCE = 1e-2
+# prompts' greedy paths, top 5 (2026-12-01): 3.2e-3 nats between llama.cpp and MLX or vLLM
+# (llama.cpp keeps its KV cache in f16 by default, the likely cause), 8.6e-6 between MLX and vLLM,
+# 0 between MLX single and batched. About 5x the largest.
+TOLERANCE = 1.5e-2
 ENGINES = ["llama.cpp", "mlx-single", "mlx-batched", "vllm"]
 
 
