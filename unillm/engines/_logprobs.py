@@ -11,7 +11,7 @@ from typing import Any
 
 from unillm.backend import TopLogprobs
 
-__all__ = ["from_logits", "from_logprobs", "from_mlx", "from_vllm", "top_k"]
+__all__ = ["from_logits", "from_logprobs", "from_mlx", "from_vllm", "llama_logprobs", "top_k"]
 
 
 def top_k(lp: Any, k: int) -> tuple[tuple[int, float], ...]:
@@ -45,6 +45,14 @@ def from_logits(logits: Any, tok: int, k: int) -> tuple[float, ...] | TopLogprob
     if k <= 0:
         return (float(lp[tok]),)
     return from_logprobs(lp, tok, k)
+
+
+def llama_logprobs(ctx: Any, n_vocab: int, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+    """One token's logprobs from a llama.cpp context's last raw logits (``get_logits_ith(-1)``),
+    which the sampler chain's penalties, bias and temperature never touch (they work on a copy)."""
+    import numpy as np
+
+    return from_logits(np.ctypeslib.as_array(ctx.get_logits_ith(-1), shape=(n_vocab,)), tok, k)
 
 
 def from_mlx(lp: Any, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:

@@ -36,7 +36,6 @@ from unillm.backend import (
     Request,
     SamplingParams,
     Suitability,
-    TopLogprobs,
     check_prompt,
     installed,
     kv_dtype,
@@ -55,7 +54,7 @@ from unillm.engines._llamacpp_load import (
     model_shape,
     no_chat_handlers,
 )
-from unillm.engines._logprobs import from_logits
+from unillm.engines._logprobs import llama_logprobs
 from unillm.engines._memory import LLAMACPP_MEMORY
 
 if TYPE_CHECKING:
@@ -357,7 +356,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 if piece is None:  # first sight of this token: ask llama.cpp once, then remember
                     piece = pieces[tok] = llm.detokenize([tok])
                 n += 1
-                yield decode(piece), (tok,), self._logprob(tok, k) if want_lp else None
+                yield decode(piece), (tok,), llama_logprobs(ctx, self._n_vocab, tok, k) if want_lp else None
                 if n >= max_tokens:
                     req.finish_reason = "length"
                     return
@@ -437,13 +436,6 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         if self._eog is None:
             self._eog = eog_ids(self._vocab, self._n_vocab)
         return self._eog
-
-    def _logprob(self, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
-        """From the last step's raw logits: before the sampler chain's penalties and temperature."""
-        import numpy as np
-
-        logits = np.ctypeslib.as_array(self._llm._ctx.get_logits_ith(-1), shape=(self._n_vocab,))
-        return from_logits(logits, tok, k)
 
     def _one_token(self, text: str) -> int | None:
         ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
