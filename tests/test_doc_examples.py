@@ -116,6 +116,8 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "builds, against a running server; benchmarks/crosscheck_guidellm.py runs this command",
     ("docs/benchmarks.md", "python benchmarks/crosscheck_guidellm.py"): "starts a server and guidellm for "
     "several minutes; tests/test_bench_crosscheck.py runs a small one",
+    ("docs/benchmarks.md", "python benchmarks/structured_output.py"): "three engines, vLLM twice, for "
+    "several minutes; tests/test_bench_structured.py runs the script with one round on llama.cpp",
 }
 
 
