@@ -157,6 +157,15 @@ def test_bad_sampling_values_are_typed_errors(field: str, value: float, fix: str
         engine().generate("q", **{field: value})
 
 
+def test_min_tokens_above_max_tokens_is_refused_at_once() -> None:
+    # vLLM would refuse it only when the request reaches it; every backend refuses it here
+    with pytest.raises(ConfigError, match=r"min_tokens \(20\) is more than max_tokens \(10\)"):
+        SamplingParams(min_tokens=20, max_tokens=10)
+    with pytest.raises(ConfigError, match="min_tokens"):
+        engine().generate("q", min_tokens=20, max_tokens=10)
+    assert SamplingParams(min_tokens=10, max_tokens=10).min_tokens == 10
+
+
 def test_unknown_sampling_field_is_refused() -> None:
     with pytest.raises(ConfigError, match="tempreature: unknown field"):
         SamplingParams(tempreature=0.1)  # type: ignore[call-arg]

@@ -146,6 +146,15 @@ class SamplingParams(_Validated):
         return None if output_format(value) is None else value  # {"type": "text"} is no format
 
     @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens}): the "
+                "output could never hold both; lower min_tokens or raise max_tokens"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _format_ends_the_output(self) -> SamplingParams:
         if self.response_format is not None and self.ignore_eos:
             raise ValueError(
