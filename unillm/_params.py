@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -79,6 +81,9 @@ class SamplingParams(_Validated):
         default=None,
         description="Output format to enforce: a pydantic model class, OpenAI's json_schema or "
         "json_object dict, or a bare JSON schema.",
+    )
+    lora: str | None = Field(
+        default=None, min_length=1, description="Name of the config's LoRA adapter to apply to this request."
     )
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -207,6 +212,37 @@ class EngineConfig(_Validated):
     goal: Literal["latency", "throughput", "cost", "portability"] | None = Field(
         default=None, description="What to optimize when selecting a backend. Default latency."
     )
+    lora: str | dict[str, str] | None = Field(
+        default=None,
+        description="A LoRA adapter applied to every request (its path), or several by name "
+        "({name: path}) that requests pick with SamplingParams.lora where the backend can.",
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_paths(cls, value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, Mapping):
+            value = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in value.items()}
+            if not value:
+                raise ValueError("an empty mapping names no adapter; leave lora unset")
+        for name, path in ({"": value} if isinstance(value, str) else dict(value or {})).items():
+            if not isinstance(name, str) or (not name and not isinstance(value, str)):
+                raise ValueError(f"adapter names are non-empty strings, got {name!r}")
+            if isinstance(path, str) and not Path(path).expanduser().exists():
+                where = f"adapter {name!r}" if name else "the adapter"
+                raise ValueError(
+                    f"{where} path {path!r} does not exist; give a LoRA adapter's file or directory"
+                )
+        return value
+
+    def lora_adapters(self) -> dict[str, Path]:
+        """``lora`` as {name: path}: a lone path is named ``"default"``."""
+        if self.lora is None:
+            return {}
+        items = {"default": self.lora} if isinstance(self.lora, str) else self.lora
+        return {name: Path(path).expanduser() for name, path in items.items()}
 
     def options_for(self, backend: str) -> dict[str, Any]:
         """``options`` merged under the ``backend_options`` table of ``backend``, if any."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unillm._chat import check_chat_template
-from unillm._errors import GenerationError, ModelFormatError, ModelLoadError, OutOfMemory
+from unillm._errors import ConfigError, GenerationError, ModelFormatError, ModelLoadError, OutOfMemory
 from unillm.backend import available_ram_bytes, kv_bytes_per_token
 
 if TYPE_CHECKING:
@@ -253,6 +253,8 @@ def load_error(exc: Exception, log: str, header: GGUFHeader, model: str) -> Exce
             f"this llama.cpp build does not support the architecture {header.architecture!r} of "
             f"{model!r}; upgrade llama-cpp-python or use another backend ({why})"
         )
+    if "lora adapter" in str(exc).lower():  # llama-cpp-python's "Failed to initialize LoRA adapter"
+        return ConfigError(f"llama.cpp could not apply the LoRA adapter to {model!r} ({why})")
     if "not within the file bounds" in lower:  # a truncated file the header could not tell
         return ModelFormatError(f"{model!r} is truncated ({why}). Download or convert it again.")
     if any(

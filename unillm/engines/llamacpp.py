@@ -55,6 +55,7 @@ from unillm.engines._llamacpp_load import (
     no_chat_handlers,
 )
 from unillm.engines._logprobs import llama_logprobs
+from unillm.engines._lora import gguf_adapter, one_adapter
 from unillm.engines._memory import LLAMACPP_MEMORY
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"response_format"},  # through llama.cpp's grammar sampler
+        lora=True,
         devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
         speculative=True,
     )
@@ -246,6 +248,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             kwargs["n_threads_batch"] = opts.n_threads_batch
         if opts.seed is not None:
             kwargs["seed"] = opts.seed
+        if (lora := one_adapter(self.config, self.name)) is not None:  # scaled by its own alpha
+            kwargs.update(lora_path=str(gguf_adapter(lora, self.name)), lora_scale=1.0)
 
         own_template = self.config.chat_template is None
         template = header.metadata.get("tokenizer.chat_template")

@@ -40,6 +40,7 @@ from unillm.backend import (
 )
 from unillm.engines import _mlx_draft as spec  # speculative decoding (draft_model)
 from unillm.engines._logprobs import from_mlx
+from unillm.engines._lora import apply_peft_mlx, mlx_lora
 from unillm.engines._memory import MLX_MEMORY
 from unillm.engines._mlx_batch import Batcher, KeptCache
 from unillm.engines._mlx_format import FormatGuide
@@ -170,10 +171,11 @@ class MLXEngine(Engine[MLXOptions]):
             from mlx_lm.models import cache as mlx_cache
         except (ImportError, OSError) as exc:
             raise BackendUnavailable(self.name, f"mlx failed to import: {exc}", INSTALL_HINT) from exc
+        adapter, peft = mlx_lora(self.config, opts.adapter_path, self.name)  # ConfigError
         try:
             loaded = mlx_lm.load(
                 str(path),
-                adapter_path=opts.adapter_path,
+                adapter_path=adapter,
                 tokenizer_config={"trust_remote_code": opts.trust_remote_code},
                 trust_remote_code=opts.trust_remote_code,
             )
@@ -193,6 +195,8 @@ class MLXEngine(Engine[MLXOptions]):
             raise ModelFormatError(f"{self.config.model!r} is incomplete: {exc}") from exc
         except MemoryError as exc:
             raise OutOfMemory(f"the weights of {self.config.model!r} do not fit in memory") from exc
+        if peft is not None or adapter is not None:
+            apply_peft_mlx(model, peft)  # evaluated here: batched mode decodes on another thread
         self._mx = mx
         self._mlx_lm = mlx_lm
         self._cache_mod = mlx_cache

@@ -68,6 +68,7 @@ from unillm.backend import (
 from unillm.engines._memory import VLLM_MEMORY
 from unillm.engines._vllm_args import READS, engine_args, kv_bytes, kv_cache_dtype_name, model_dir
 from unillm.engines._vllm_build import vllm_build
+from unillm.engines._vllm_lora import LoraRequests, lora_engine_args
 from unillm.engines._vllm_options import VLLMOptions
 from unillm.engines._vllm_parallel import CPU_BIND_VAR, ParallelPlan
 from unillm.engines._vllm_runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
@@ -96,8 +97,9 @@ class VLLMEngine(Engine[VLLMOptions]):
     memory = VLLM_MEMORY
     formats: ClassVar[frozenset[str]] = READS
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
+        sampling=STANDARD_SAMPLING | {"min_tokens", "response_format", "lora"},  # lora: per request
         batching=True,
+        lora=True,
         devices=frozenset({"cuda", "rocm", "cpu"}),
     )
     Options: ClassVar[type[BaseModel]] = VLLMOptions
@@ -187,6 +189,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         self._capture = capture
         self._numbers = numbers
         self._engine = engine
+        self._loras = LoraRequests(self.config)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = (
             weakref.WeakKeyDictionary()
         )
@@ -240,24 +243,26 @@ class VLLMEngine(Engine[VLLMOptions]):
             cpu_ids=cpu_ids,
             numa_nodes=numa_nodes() if cpu else None,
         )
-        return args
+        return {**args, **lora_engine_args(self.config, self.options, cpu=cpu)}
 
     # ---- stream ----
 
-    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any]:
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[list[int], Any, Any]:
         if isinstance(prompt, str):
             special = not (self._bos and prompt.startswith(self._bos))
             ids = list(self._tok.encode(prompt, add_special_tokens=special))
         else:
             ids = list(prompt)  # the base class checked the ids against the vocabulary
         check_prompt(ids, self._max_len, params.max_tokens)
-        return ids, self._sampling(params)
+        return ids, self._sampling(params), self._loras.for_request(params)
 
     def _sampling(self, params: SamplingParams) -> Any:
         """vLLM's SamplingParams for ``params``, stopping on this engine's end-of-sequence set."""
         return sampling_params(self._vllm, params, self.eos_token_ids)
 
-    async def _pump(self, ids: list[int], sp: Any, req: Request, put: Callable[[Any], None]) -> None:
+    async def _pump(
+        self, ids: list[int], sp: Any, lora: Any, req: Request, put: Callable[[Any], None]
+    ) -> None:
         """On the engine's loop: run one vLLM request, handing its raw pieces to ``put``, then an
         error (mapped) if it fails, and ``_END``. Cancelling this task aborts the request in vLLM
         (its ``generate`` does so on cancellation)."""
@@ -268,7 +273,7 @@ class VLLMEngine(Engine[VLLMOptions]):
                 put(closed)
                 return
             rid = f"unillm-{next(_ids)}"
-            async for out in engine.generate(self._vllm.tokens_input(ids), sp, rid):
+            async for out in engine.generate(self._vllm.tokens_input(ids), sp, rid, lora_request=lora):
                 raw = piece(out, req, sp.logprobs)
                 if raw is not None:
                     put(raw)
@@ -282,12 +287,12 @@ class VLLMEngine(Engine[VLLMOptions]):
             put(_END)
 
     def _stream(
-        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+        self, prepared: tuple[list[int], Any, Any], params: SamplingParams, req: Request
     ) -> Iterator[Piece]:
-        ids, sp = prepared
+        ids, sp, lora = prepared
         req.prompt_tokens = len(ids)
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        future = self._submit(self._pump(ids, sp, req, q.put))
+        future = self._submit(self._pump(ids, sp, lora, req, q.put))
         try:
             while (item := q.get()) is not _END:
                 if isinstance(item, UnillmError):
@@ -297,13 +302,13 @@ class VLLMEngine(Engine[VLLMOptions]):
             future.cancel()  # a no-op once the request has ended; else it aborts it in vLLM
 
     async def _astream(
-        self, prepared: tuple[list[int], Any], params: SamplingParams, req: Request
+        self, prepared: tuple[list[int], Any, Any], params: SamplingParams, req: Request
     ) -> AsyncGenerator[Piece, None]:
-        ids, sp = prepared
+        ids, sp, lora = prepared
         req.prompt_tokens = len(ids)
         q: asyncio.Queue[Any] = asyncio.Queue()
         post = functools.partial(self._mailbox(asyncio.get_running_loop()).post, q)
-        future = self._submit(self._pump(ids, sp, req, post))
+        future = self._submit(self._pump(ids, sp, lora, req, post))
         try:
             while (item := await q.get()) is not _END:
                 if isinstance(item, UnillmError):

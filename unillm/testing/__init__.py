@@ -26,6 +26,8 @@ _LAZY = {
     "ParityReport": "unillm.testing._parity",
     "build_tiny_model": "unillm.testing._tiny",
     "tiny_model": "unillm.testing._tiny",
+    "tiny_lora": "unillm.testing._lora",
+    "TinyLora": "unillm.testing._lora",
     "TinyModel": "unillm.testing._tiny",
     "TinySpec": "unillm.testing._tiny",
     "SIZES": "unillm.testing._tiny",
@@ -35,6 +37,7 @@ __all__ = [
     "MockEngine",
     "ParityReport",
     "SIZES",
+    "TinyLora",
     "TinyModel",
     "TinySpec",
     "build_tiny_model",
@@ -42,6 +45,7 @@ __all__ = [
     "check_engine",
     "check_parity",
     "convert_tiny",
+    "tiny_lora",
     "tiny_model",
     "WordVocab",
 ]
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
     from unillm.testing._conformance import check_closed, check_engine
     from unillm.testing._convert import convert_tiny
     from unillm.testing._kit import Conformance
+    from unillm.testing._lora import TinyLora, tiny_lora
     from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_model
