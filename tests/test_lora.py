@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,7 +169,7 @@ def test_a_wrong_format_says_which_file_the_backend_wants(
 
 @needs["llama_cpp"]
 def test_a_model_gguf_is_not_an_adapter(tiny: TinyModel) -> None:
-    with pytest.raises(ConfigError, match="LoRA adapter"):
+    with pytest.raises(ConfigError, match="is a GGUF of type None, not an adapter"):
         open_engine(tiny, "llama.cpp", tiny.gguf_path)
 
 
@@ -269,3 +271,54 @@ def test_vllm_lora_args_round_the_rank_up_and_keep_larger_options(lora: TinyLora
 def test_vllm_refuses_an_unknown_adapter_name(vllm: Any) -> None:
     with pytest.raises(ConfigError, match=r"no LoRA adapter named 'c'.*'a', 'b'"):
         vllm.generate("Hello", SamplingParams(lora="c"))
+
+
+# ---- ExLlamaV2 (CUDA only: against the fake of exllamav2 0.3.x in tests/fake_exllamav2) ----
+
+FAKE_EXLLAMAV2 = Path(__file__).resolve().parent / "fake_exllamav2"
+
+
+@pytest.fixture(scope="module")
+def exl() -> Iterator[Any]:
+    from unillm.engines.exllamav2 import ASSUME_GPU_ENV
+
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(FAKE_EXLLAMAV2))
+    mp.setenv(ASSUME_GPU_ENV, "1")
+    import exllamav2
+
+    assert Path(exllamav2.__file__).is_relative_to(FAKE_EXLLAMAV2)
+    yield exllamav2
+    mp.undo()
+    for name in [m for m in sys.modules if m == "exllamav2" or m.startswith("exllamav2.")]:
+        del sys.modules[name]
+
+
+def test_exllamav2_applies_the_adapter_to_every_job(
+    exl: Any, tiny: TinyModel, lora: TinyLora, lora2: TinyLora
+) -> None:
+    runs: dict[str, list[list[int]]] = {}
+    for name, adapter in (("base", None), ("a", lora.peft_dir), ("b", lora2.peft_dir)):
+        with open_engine(tiny, "exllamav2", adapter) as engine:
+            assert engine.capabilities.lora and "lora" not in engine.capabilities.sampling
+            runs[name] = greedy(engine)
+            if adapter is not None:
+                assert engine._generator.current_loras == [engine._lora]
+                assert engine._lora.lora_scaling == lora.scale  # alpha / r, as exllamav2 scales
+    assert all(len(t) == 40 for t in runs["a"])
+    assert runs["a"] != runs["base"] and runs["b"] != runs["base"] and runs["a"] != runs["b"]
+    with open_engine(tiny, "exllamav2", lora.peft_dir) as again:
+        assert greedy(again) == runs["a"]
+
+
+def test_exllamav2_refuses_what_exllamav2_cannot_read(
+    exl: Any, tiny: TinyModel, lora: TinyLora, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="PEFT directory"):
+        open_engine(tiny, "exllamav2", lora.gguf_path)
+    bad = tmp_path / "fan"
+    shutil.copytree(lora.peft_dir, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}))
+    with pytest.raises(ConfigError, match="fan_in_fan_out"):
+        open_engine(tiny, "exllamav2", bad)

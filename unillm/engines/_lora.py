@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from unillm._errors import ConfigError
+from unillm._facts import Facts
 from unillm._params import EngineConfig
 
 __all__ = ["apply_peft_mlx", "gguf_adapter", "mlx_adapter", "one_adapter", "peft_adapter"]
@@ -30,9 +31,9 @@ def one_adapter(config: EngineConfig, backend: str) -> Path | None:
     return next(iter(adapters.values()), None)
 
 
-def gguf_adapter(path: Path, backend: str) -> Path:
-    """``path`` if it is a GGUF file, else a ConfigError (llama.cpp itself refuses a GGUF that is
-    not an adapter, as the load error says)."""
+def gguf_adapter(path: Path, backend: str, facts: Facts) -> Path:
+    """``path`` if it is a GGUF LoRA adapter (``general.type`` adapter), else a ConfigError: llama.cpp
+    loads a model's GGUF as an adapter without a word, one that changes nothing."""
     want = (
         f"{backend} reads a LoRA adapter as one GGUF file (general.type 'adapter'; llama.cpp's "
         "convert_lora_to_gguf.py writes one from a PEFT adapter)"
@@ -46,6 +47,9 @@ def gguf_adapter(path: Path, backend: str) -> Path:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ConfigError(f"{want}; {str(path)!r} is not a GGUF file")
+    kind = facts.for_path(str(path)).gguf_header.metadata.get("general.type")
+    if kind != "adapter":
+        raise ConfigError(f"{want}; {str(path)!r} is a GGUF of type {kind!r}, not an adapter")
     return path
 
 
@@ -141,3 +145,18 @@ def mlx_lora(config: EngineConfig, adapter_path: str | None, backend: str) -> tu
         )
     path, is_peft = mlx_adapter(lora, backend)
     return (None, path) if is_peft else (str(path), None)
+
+
+def exllamav2_lora(exl: Any, model: Any, generator: Any, config: EngineConfig, backend: str) -> Any:
+    """The config's adapter read by ``ExLlamaV2Lora.from_directory`` and enabled for every job of
+    ``generator`` (exllamav2's dynamic generator sets LoRAs for its whole queue), or None."""
+    lora = one_adapter(config, backend)
+    if lora is None:
+        return None
+    path = peft_adapter(lora, backend)
+    try:
+        adapter = exl.ExLlamaV2Lora.from_directory(model, str(path))
+    except (ValueError, KeyError, AssertionError) as exc:
+        raise ConfigError(f"exllamav2 could not apply the LoRA adapter {str(path)!r}: {exc!r}") from exc
+    generator.set_loras([adapter])
+    return adapter

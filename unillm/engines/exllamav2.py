@@ -63,6 +63,7 @@ from unillm.engines._exllamav2_load import (
     set_lengths,
     template,
 )
+from unillm.engines._lora import exllamav2_lora
 
 __all__ = ["ASSUME_GPU_ENV", "ExLlamaV2Engine", "ExLlamaV2Options"]
 
@@ -154,6 +155,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
         # response_format: a job filter over llguidance (engines/_exllamav2_format.py)
         sampling=(STANDARD_SAMPLING | {"response_format"}) - {"logprobs", "logit_bias"},
         batching=False,  # True on an engine in paged mode (the dynamic generator batches jobs)
+        lora=True,  # one adapter for every job (generator.set_loras)
         devices=frozenset({"cuda", "rocm"}),
         speculative=True,
     )
@@ -286,6 +288,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
                 )
             except Exception as exc:
                 raise load_error(exc, "generator", "cache", str(path)) from exc
+            self._lora = exllamav2_lora(exl, model, generator, self.config, self.name)  # or None
         except BaseException:
             for m in loaded:
                 m.unload()

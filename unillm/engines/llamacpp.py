@@ -249,7 +249,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         if opts.seed is not None:
             kwargs["seed"] = opts.seed
         if (lora := one_adapter(self.config, self.name)) is not None:  # scaled by its own alpha
-            kwargs.update(lora_path=str(gguf_adapter(lora, self.name)), lora_scale=1.0)
+            kwargs.update(lora_path=str(gguf_adapter(lora, self.name, self.facts)), lora_scale=1.0)
 
         own_template = self.config.chat_template is None
         template = header.metadata.get("tokenizer.chat_template")

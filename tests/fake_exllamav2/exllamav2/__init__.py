@@ -12,6 +12,7 @@ from exllamav2.cache import (
     ExLlamaV2CacheBase,
 )
 from exllamav2.config import ExLlamaV2Config
+from exllamav2.lora import ExLlamaV2Lora
 from exllamav2.model import ExLlamaV2
 from exllamav2.tokenizer import ExLlamaV2Tokenizer
 from exllamav2.version import __version__
@@ -25,6 +26,7 @@ __all__ = [
     "ExLlamaV2Cache_Q6",
     "ExLlamaV2Cache_Q8",
     "ExLlamaV2Config",
+    "ExLlamaV2Lora",
     "ExLlamaV2Tokenizer",
     "__version__",
 ]

@@ -154,6 +154,7 @@ class ExLlamaV2DynamicGenerator:
         self.padded_vocab_size = ((cfg.vocab_size + 31) // 32) * 32
         self.draft_model = draft_model
         self.draft_cache = draft_cache
+        self.current_loras: list[Any] = []
         if draft_model or use_ngram_draft:
             assert num_draft_tokens <= max_q_size, "num_draft_tokens cannot be larger than max_q_size."
             self.num_draft_tokens = num_draft_tokens
@@ -230,6 +231,25 @@ class ExLlamaV2DynamicGenerator:
         for page in self.all_pages:
             self.unreferenced_pages[page.phash] = page
         self.access_serial = self.max_pages
+
+    def set_loras(self, loras: Any) -> None:
+        """Enable LoRAs (a list, one, or None for none) for every job; the queue must be empty."""
+        assert not self.num_remaining_jobs(), (
+            "LoRAs cannot be updated while there are jobs in the generator queue."
+        )
+        if loras is None:
+            self.current_loras = []
+        elif isinstance(loras, list):
+            self.current_loras = loras
+        else:
+            self.current_loras = [loras]
+
+    def fake_lora_logits(self, ids: list[int]) -> Any:
+        """Fake only: the model's toy logits plus each enabled LoRA's delta."""
+        logits = self.model.fake_logits(ids)
+        for lora in self.current_loras:
+            logits = logits + lora.fake_delta(ids)
+        return logits
 
     def num_remaining_jobs(self) -> int:
         return len(self.pending_jobs) + len(self.active_jobs)
@@ -543,7 +563,7 @@ class ExLlamaV2DynamicJob:
                 f.begin("")
         blocked = self.stop_tokens_list if self.new_tokens < self.min_new_tokens else None
         token, _, _, prob, filter_eos = ExLlamaV2Sampler.sample(
-            g.model.fake_logits(seq.sequence_ids),
+            g.fake_lora_logits(seq.sequence_ids),
             self.gen_settings,
             seq.sequence_ids,
             self.rng.random(),
