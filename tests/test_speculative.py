@@ -209,3 +209,36 @@ def test_the_backends_matrix_shows_speculative_decoding() -> None:
 
     caps = {name: info.cls.capabilities.speculative for name, info in default_registry().backends().items()}
     assert caps["llama.cpp"] and caps["mlx"] and caps["exllamav2"]
+
+
+# ---- vLLM (CPU build): two engine starts, a few minutes ----
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_self_draft_gives_the_same_greedy_tokens(tiny: TinyModel, other_vocab: TinyModel) -> None:
+    from unillm.engines.vllm import VLLMEngine
+
+    d = str(tiny.hf_dir)
+    base = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 4, "seed": 0}
+
+    def engine(**opts: Any) -> Any:
+        return VLLMEngine(model=d, context_length=256, options={**base, **opts})
+
+    # refused before vLLM starts
+    for opts, match in [
+        ({"draft_model": "/nowhere/draft"}, "does not exist"),
+        ({"draft_model": str(other_vocab.hf_dir)}, "another vocabulary"),
+        ({"num_draft_tokens": 3}, "without draft_model"),
+        ({"draft_model": d, "speculative_config": {"method": "ngram"}}, "both set"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            engine(**opts).load()
+    with engine() as plain:
+        want = [plain.generate(p, GREEDY).token_ids for p in PROMPTS]
+    with engine(draft_model=d, num_draft_tokens=3) as e:
+        assert e.capabilities.speculative
+        for prompt, ids in zip(PROMPTS, want, strict=True):
+            got = e.generate(prompt, GREEDY)
+            assert got.token_ids == ids, prompt
+            # vLLM counts drafts per engine step, over all running requests: not reported per request
+            assert got.usage.draft_tokens is None and got.usage.accepted_draft_tokens is None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from unillm._errors import ConfigError, ModelFormatError, ModelNotFound, OutOfMemory
 from unillm._model_path import hf_dir_in
 from unillm.backend import Facts, available_ram_bytes, kv_bytes_per_token, kv_dtype
+from unillm.engines._vllm_draft import speculative_config
 from unillm.engines._vllm_options import VLLMOptions
 from unillm.engines._vllm_parallel import ParallelPlan, plan_parallel
 from unillm.engines._vllm_start import weights_dtype
@@ -127,7 +128,7 @@ def engine_args(
         "dtype": dtype,
         "quantization": opts.quantization,
         "enable_lora": opts.enable_lora,
-        "speculative_config": opts.speculative_config,
+        "speculative_config": speculative_config(opts, Path(path)),
         "trust_remote_code": opts.trust_remote_code,
         "disable_log_stats": True,  # unillm's own stat logger keeps the numbers; nothing printed
         **parallel.engine_args(),

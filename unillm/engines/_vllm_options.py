@@ -76,6 +76,10 @@ class VLLMOptions(BaseModel):
     speculative_config: dict[str, Any] | None = Field(
         default=None, description="vLLM's speculative decoding config, passed through."
     )
+    draft_model: str | None = Field(
+        default=None, description="Speculative decoding: a draft model directory (method draft_model)."
+    )
+    num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step (4).")
     seed: int | None = Field(default=None, description="The engine's seed (vLLM's default 0).")
     trust_remote_code: bool = Field(default=False, description="Run model code shipped with the weights.")
     engine_args: dict[str, Any] = Field(

@@ -101,6 +101,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         batching=True,
         lora=True,
         devices=frozenset({"cuda", "rocm", "cpu"}),
+        speculative=True,
     )
     Options: ClassVar[type[BaseModel]] = VLLMOptions
     install_hint: ClassVar[str | None] = GPU_HINT
