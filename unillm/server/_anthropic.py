@@ -3,7 +3,9 @@
 The stream is Anthropic's event sequence: ``message_start``, ``content_block_start``,
 ``content_block_delta`` per token, ``content_block_stop``, ```message_delta`` (stop reason and
 output tokens), ``message_stop``. ``stop_reason`` is ``max_tokens`` when the length limit ended
-the reply, ``stop_sequence`` (naming it) when one of ``stop_sequences`` did, else ``end_turn``.
+the reply, ``stop_sequence`` (naming it) when one of ``stop_sequences`` did, ``tool_use`` when the
+model called tools, else ``end_turn``. With tools the reply is held back until it can be parsed,
+then sent as its blocks (``_anthropic_tools``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from unillm._engine_chat import forced_params
+from unillm._errors import ConfigError
 from unillm._run import afold
+from unillm._tools import ToolCallParseError, parse_tool_calls
+from unillm.server._anthropic_tools import input_json, read_anthropic_tools, tool_use_blocks, turns
 from unillm.server._generate import ApiError, sampling, stream
 from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
 
@@ -34,7 +40,7 @@ router = APIRouter()
 def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | None]:
     if finish == "length":
         return "max_tokens", None
-    if finish == "tool_calls":  # not reached while this route refuses tools
+    if finish == "tool_calls":
         return "tool_use", None
     if stop_sequence is not None:
         return "stop_sequence", stop_sequence
@@ -44,17 +50,15 @@ def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | Non
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
-    if body.tools or body.tool_choice:
-        raise ApiError(400, "tool use is not served yet: send the request without tools", param="tools")
     if body.thinking:
         raise ApiError(400, "extended thinking is not served by this server; leave it out", param="thinking")
+    tools, one_call = read_anthropic_tools(body)
     msgs = []
     if body.system is not None:
         msgs.append({"role": "system", "content": text_of(body.system, "system")})
-    for i, m in enumerate(body.messages):
-        msgs.append({"role": m.role, "content": text_of(m.content, f"messages[{i}].content")})
+    msgs.extend(turns(body.messages))
     slot, engine = await engine_for(state, body.model, record)
-    prompt = await render(engine, msgs)
+    prompt = await render(engine, msgs, tools)
     stops = tuple(body.stop_sequences or ())
     fields = {
         "temperature": body.temperature,
@@ -63,24 +67,66 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         "stop": stops or None,
     }
     params = sampling(engine, slot.alias, state.config.max_tokens, body.max_tokens, fields)
+    if tools is not None:
+        try:
+            params = forced_params(engine, params, tools)
+        except ConfigError as exc:
+            raise ApiError(400, str(exc), param="tool_choice", code="unsupported_parameter") from exc
     chunks = stream(state, slot, engine, prompt, params, record)
     mid = "msg_" + secrets.token_hex(12)
-    if not body.stream:
+    if not body.stream or tools is not None:
         done = await unless_gone(request, afold(chunks))
         reason, seq = _stop_reason(done.finish_reason, done.stop_sequence)
+        content: list[dict[str, Any]] = [{"type": "text", "text": done.text}]
+        if tools is not None:
+            try:
+                text, calls = parse_tool_calls(done.text, tools.names, forced=tools.forced)
+            except ToolCallParseError:  # cut by max_tokens: the text as it is
+                text, calls = done.text, ()
+            calls = calls[:1] if one_call else calls
+            content = [{"type": "text", "text": text}] if text or not calls else []
+            content += tool_use_blocks(calls)
+            reason = "tool_use" if calls else reason
         u = done.usage
-        return JSONResponse(
-            {"id": mid, "type": "message", "role": "assistant", "model": slot.alias,
-             "content": [{"type": "text", "text": done.text}], "stop_reason": reason, "stop_sequence": seq,
-             "usage": _usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)}
-        )  # fmt: skip
+        message = {
+            "id": mid, "type": "message", "role": "assistant", "model": slot.alias, "content": content,
+            "stop_reason": reason, "stop_sequence": seq,
+            "usage": _usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
+        }  # fmt: skip
+        if body.stream:
+            return StreamingResponse(_held_events(message), media_type="text/event-stream", headers=_SSE)
+        return JSONResponse(message)
     try:
         first = await unless_gone(request, anext(chunks))
     except BaseException:
         await chunks.aclose()
         raise
     return StreamingResponse(_events(mid, slot.alias, first, chunks), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+                             headers=_SSE)  # fmt: skip
+
+
+_SSE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _held_events(message: dict[str, Any]) -> list[str]:
+    """A whole reply (``message``) as the events of a stream: each block whole in one delta."""
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
+    start["usage"] = _usage(0, 0, None)
+    events = [_event("message_start", {"message": start})]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opened: dict[str, Any] = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        else:
+            opened = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": input_json(block)}
+        events.append(_event("content_block_start", {"index": i, "content_block": opened}))
+        events.append(_event("content_block_delta", {"index": i, "delta": delta}))
+        events.append(_event("content_block_stop", {"index": i}))
+    stop = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
+    events.append(_event("message_delta", {"delta": stop, "usage": message["usage"]}))
+    events.append(_event("message_stop", {}))
+    return events
 
 
 def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:

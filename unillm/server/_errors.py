@@ -96,9 +96,12 @@ def error_response(request: Request | None, err: ApiError) -> JSONResponse:
     """OpenAI's error body, or Anthropic's for the Messages route."""
     path = request.url.path if request is not None else ""
     if path.startswith("/v1/messages"):
+        # Anthropic's body has no param: the message names the field instead
+        named = err.param is not None and not err.message.startswith(err.param)
+        message = f"{err.param}: {err.message}" if named else err.message
         body: dict[str, Any] = {
             "type": "error",
-            "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": err.message},
+            "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": message},
         }
     else:
         body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

@@ -104,6 +104,13 @@ class DetokenizeRequest(_Body):
 class AnthropicBlock(_Body):
     type: str
     text: str | None = None
+    # tool_use (an assistant's call) and tool_result (the user's answer to it)
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
     model_config = ConfigDict(extra="allow")  # cache_control and the like
 
 
