@@ -242,3 +242,14 @@ def test_vllm_self_draft_gives_the_same_greedy_tokens(tiny: TinyModel, other_voc
             assert got.token_ids == ids, prompt
             # vLLM counts drafts per engine step, over all running requests: not reported per request
             assert got.usage.draft_tokens is None and got.usage.accepted_draft_tokens is None
+
+
+def test_the_openai_usage_carries_the_draft_counts_when_set() -> None:
+    from unillm import Usage
+    from unillm.server._openai import usage_json
+
+    assert usage_json(Usage(5, 48, 0, 41, 40))["completion_tokens_details"] == {  # type: ignore[index]
+        "draft_tokens": 41,
+        "accepted_draft_tokens": 40,
+    }
+    assert "completion_tokens_details" not in (usage_json(Usage(5, 48, 0)) or {})

@@ -59,6 +59,11 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
     }
     if usage.cached_prompt_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": usage.cached_prompt_tokens}
+    if usage.draft_tokens is not None:  # speculative decoding, where the engine counts them
+        out["completion_tokens_details"] = {
+            "draft_tokens": usage.draft_tokens,
+            "accepted_draft_tokens": usage.accepted_draft_tokens,
+        }
     return out
 
 
