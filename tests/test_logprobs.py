@@ -152,6 +152,26 @@ def test_the_same_weights_give_the_same_top_k_on_every_engine(runs: dict[str, li
     assert steps >= pairs * len(PROMPTS) * 8  # most of each path was compared
 
 
+@pytest.mark.parametrize("name", ENGINES)
+def test_penalties_leave_the_logprobs_the_models_own(name: str, engines: dict[str, Any]) -> None:
+    """Under strong penalties, each step's logprobs equal those of the same prefix generated
+    without them (teacher-forced, one token at a time): the raw model's distribution."""
+    if name not in engines:
+        pytest.skip(f"{name} is not installed")
+    e = engines[name]
+    penal = GREEDY.model_copy(update={"max_tokens": 8, "repetition_penalty": 2.0, "presence_penalty": 1.5})
+    prompt = e.tokenize("the the the the the")
+    out = e.generate(prompt, penal)
+    assert out.top_logprobs is not None and out.logprobs is not None
+    plain = GREEDY.model_copy(update={"max_tokens": 1})
+    for i, (lp, top) in enumerate(zip(out.logprobs, out.top_logprobs, strict=True)):
+        ref = e.generate([*prompt, *out.token_ids[:i]], plain)
+        assert ref.top_logprobs is not None
+        assert [t for t, _ in top] == [t for t, _ in ref.top_logprobs[0]], (i, top, ref.top_logprobs[0])
+        assert [v for _, v in top] == pytest.approx([v for _, v in ref.top_logprobs[0]], abs=1e-4), i
+        assert lp == pytest.approx(dict(ref.top_logprobs[0]).get(out.token_ids[i], lp), abs=1e-4)
+
+
 def test_a_plugin_yielding_plain_tuples_still_works_and_top_logprobs_fold() -> None:
     """``RawPiece``'s third item may be a plain tuple (plugins written before top-k) or
     ``TopLogprobs``; the Run and the folds carry both."""

@@ -7,11 +7,12 @@ that asked for logprobs.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
-from unillm.backend import TopLogprobs
+from unillm.backend import SamplingParams, TopLogprobs
 
-__all__ = ["from_logits", "from_logprobs", "from_mlx", "from_vllm", "llama_logprobs", "top_k"]
+__all__ = ["MLXLogprobs", "from_logits", "from_logprobs", "from_mlx", "from_vllm", "llama_logprobs", "top_k"]
 
 
 def top_k(lp: Any, k: int) -> tuple[tuple[int, float], ...]:
@@ -63,6 +64,37 @@ def from_mlx(lp: Any, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
     import numpy as np
 
     return from_logprobs(np.array(lp.astype(mx.float32)), tok, k)
+
+
+class MLXLogprobs:
+    """A request's logprobs on MLX. mlx-lm takes its logprobs after the logits processors (the
+    penalties): when a request has both, a first processor keeps each step's log-softmax of the
+    raw logits (evaluated there: a sync per token, for these requests only), read in order
+    (mlx-lm runs a step ahead of the token it hands out, so two may be waiting). Not with a draft
+    model, whose verify step runs the processors over several positions: there the reported,
+    penalised ones stay."""
+
+    __slots__ = ("k", "processors", "raw")
+
+    def __init__(self, params: SamplingParams, processors: list[Any] | None, *, draft: bool = False) -> None:
+        self.k = params.logprobs or 0
+        tap = processors and params.logprobs is not None and not draft
+        self.raw: deque[Any] | None = deque() if tap else None
+        self.processors = [self._keep, *processors] if tap and processors else processors
+
+    def _keep(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        assert self.raw is not None
+        raw = logits.astype(mx.float32)  # a new array: the repetition penalty assigns into logits
+        lp = (raw - mx.logsumexp(raw, axis=-1, keepdims=True))[0]
+        # evaluated here, on mlx-lm's stream: the thread that reads it has no such stream
+        mx.eval(lp)
+        self.raw.append(lp)
+        return logits
+
+    def __call__(self, reported: Any, tok: int) -> tuple[float, ...] | TopLogprobs:
+        return from_mlx(reported if self.raw is None else self.raw.popleft(), tok, self.k)
 
 
 def from_vllm(steps: Any, ids: tuple[int, ...], k: int) -> tuple[float, ...] | TopLogprobs:

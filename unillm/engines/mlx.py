@@ -39,7 +39,7 @@ from unillm.backend import (
     shared_prefix,
 )
 from unillm.engines import _mlx_draft as spec  # speculative decoding (draft_model)
-from unillm.engines._logprobs import from_mlx
+from unillm.engines._logprobs import MLXLogprobs
 from unillm.engines._lora import apply_peft_mlx, mlx_lora
 from unillm.engines._memory import MLX_MEMORY
 from unillm.engines._mlx_batch import Batcher, KeptCache
@@ -291,7 +291,8 @@ class MLXEngine(Engine[MLXOptions]):
         max_tokens = params.max_tokens
         if opts.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
-        want_lp, k = params.logprobs is not None, params.logprobs or 0
+        want_lp = params.logprobs is not None
+        lps = MLXLogprobs(params, processors(params), draft=self._draft is not None)
         stop_ids = frozenset(params.stop_token_ids)
         if params.ignore_eos:
             tokenizer.eos_token_ids = set()
@@ -301,7 +302,7 @@ class MLXEngine(Engine[MLXOptions]):
             mx.array(ids[cached:]),
             max_tokens=max_tokens,
             sampler=self._draw(params),
-            logits_processors=processors(params),
+            logits_processors=lps.processors,
             prompt_cache=self._cache,
             prefill_step_size=opts.prefill_step_size,
             kv_bits=opts.kv_bits,
@@ -327,7 +328,7 @@ class MLXEngine(Engine[MLXOptions]):
                     req.finish_reason = "stop"
                     return
                 n += 1
-                lp = from_mlx(last.logprobs, tok, k) if want_lp else None
+                lp = lps(last.logprobs, tok) if want_lp else None
                 yield last.text, (tok,), lp
                 if last.finish_reason == "length" or n >= max_tokens:
                     req.finish_reason = "length"
@@ -355,18 +356,19 @@ class MLXEngine(Engine[MLXOptions]):
         max_tokens = params.max_tokens
         if self.options.max_kv_size is None:
             max_tokens = min(max_tokens, self._n_ctx - len(ids))
+        lps = MLXLogprobs(params, processors(params))
         live = batcher.submit_prompt(
             ids[cached:],
             max_tokens=max_tokens,
             sampler=self._draw(params),
-            processors=processors(params),
+            processors=lps.processors,
             ignore_eos=params.ignore_eos,
             cache=cache,
             history=ids[:cached] if cached else None,
         )
         detok = self._tokenizer.detokenizer  # a fresh one per request
         stop_ids = frozenset(params.stop_token_ids)
-        want_lp, k = params.logprobs is not None, params.logprobs or 0
+        want_lp = params.logprobs is not None
         key = id(req)
         self._inflight[key] = len(ids)
         try:
@@ -386,7 +388,7 @@ class MLXEngine(Engine[MLXOptions]):
                         return
                     detok.add_token(tok)
                     self._inflight[key] += 1
-                    lp = from_mlx(r.logprobs, tok, k) if want_lp else None
+                    lp = lps(r.logprobs, tok) if want_lp else None
                     if r.finish_reason == "length":
                         req.finish_reason = "length"
                         self._kept.keep(r)
