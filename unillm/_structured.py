@@ -46,6 +46,16 @@ _SCHEMA_KEYS = frozenset(
 )
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+#: JSON as the standard has it: NaN and Infinity are errors (Python's reader takes them). A
+#: number past a double's range (1e999) is JSON and reads as inf; ``unillm._tools.json_text``
+#: writes it back as such a number.
+STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)
+
+
 class StructuredOutputError(GenerationError):
     """The output does not parse or validate under the format asked for (cut by ``max_tokens``,
     most often). ``raw`` holds the text as generated; nothing is lost."""
@@ -102,7 +112,7 @@ class OutputFormat:
                 raise StructuredOutputError("the output is not one of the choices", text, finish_reason)
             return text
         try:
-            value = json.loads(text)
+            value = STRICT_JSON.decode(text)
         except ValueError as exc:
             raise StructuredOutputError(f"the output is not JSON ({exc})", text, finish_reason) from None
         if self.model is not None:

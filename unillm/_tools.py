@@ -27,6 +27,7 @@ not parse (cut by ``max_tokens``) raises ``ToolCallParseError`` with the raw tex
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from unillm._errors import ConfigError, GenerationError
-from unillm._structured import _checked
+from unillm._structured import STRICT_JSON, _checked
 from unillm._types import ToolCall
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidTools",
     "ToolCallParseError",
     "ToolSpec",
+    "json_text",
     "openai_tool_call",
     "parse_tool_calls",
     "read_tools",
@@ -229,7 +231,7 @@ def _moved_ref(ref: str, prefix: str) -> str:
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL = "[TOOL_CALLS]"
-_DECODER = json.JSONDecoder()
+_DECODER = STRICT_JSON
 
 
 def parse_tool_calls(
@@ -320,7 +322,31 @@ def _calls(value: Any, names: frozenset[str]) -> list[ToolCall]:
     return out
 
 
+_BEYOND = "\x00beyond\x00"
+
+
+def json_text(value: Any, **dumps: Any) -> str:
+    """``value`` as JSON text. A float past a double's range (the model wrote 1e999, which reads
+    as inf) is written as such a number again, never as ``Infinity``, which is not JSON."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, **dumps)
+    except ValueError:
+        pass
+
+    def marked(v: Any) -> Any:
+        if isinstance(v, float) and v in (math.inf, -math.inf):
+            return _BEYOND + ("-" if v < 0 else "")
+        if isinstance(v, dict):
+            return {k: marked(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [marked(x) for x in v]
+        return v
+
+    text = json.dumps(marked(value), ensure_ascii=False, allow_nan=False, **dumps)
+    return text.replace('"\\u0000beyond\\u0000-"', "-1e999").replace('"\\u0000beyond\\u0000"', "1e999")
+
+
 def openai_tool_call(call: ToolCall) -> dict[str, Any]:
     """``call`` in OpenAI's response shape: the arguments as JSON text."""
-    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    arguments = json_text(call.arguments)
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}

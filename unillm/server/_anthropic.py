@@ -15,12 +15,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from unillm._engine_chat import forced_params
 from unillm._errors import ConfigError
 from unillm._run import afold
-from unillm._tools import ToolCallParseError, parse_tool_calls
+from unillm._tools import ToolCallParseError, json_text, parse_tool_calls
 from unillm.server._anthropic_tools import input_json, read_anthropic_tools, tool_use_blocks, turns
 from unillm.server._generate import ApiError, sampling, stream
 from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
@@ -95,7 +95,8 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         }  # fmt: skip
         if body.stream:
             return StreamingResponse(_held_events(message), media_type="text/event-stream", headers=_SSE)
-        return JSONResponse(message)
+        # json_text: a tool's input may hold a number past a double's range, which is JSON
+        return Response(json_text(message), media_type="application/json")
     try:
         first = await unless_gone(request, anext(chunks))
     except BaseException:

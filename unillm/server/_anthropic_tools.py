@@ -10,10 +10,9 @@ model's own template renders them. Replies: the calls the model made as ``tool_u
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
-from unillm._tools import InvalidTools, ToolSpec, read_tools
+from unillm._tools import InvalidTools, ToolSpec, json_text, read_tools
 from unillm.server._generate import ApiError
 from unillm.server._request import text_of
 
@@ -124,4 +123,4 @@ def tool_use_blocks(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
 
 def input_json(block: dict[str, Any]) -> str:
     """A ``tool_use`` block's input as the JSON text a stream's ``input_json_delta`` carries."""
-    return json.dumps(block["input"], ensure_ascii=False, separators=(",", ":"))
+    return json_text(block["input"], separators=(",", ":"))
