@@ -142,6 +142,18 @@ def test_engine_args_pass_through_but_cannot_override_options(
         engine_args(tiny, context_length=512, options={"max_model_len": 1024})
 
 
+def test_formats_are_compact_json_through_llguidance_unless_engine_args_say_otherwise(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    cpu_machine(monkeypatch)
+    # as MLX and ExLlamaV2 enforce formats; vLLM reads the whitespace switch from its config only
+    compact = {"backend": "guidance", "disable_any_whitespace": True, "disable_additional_properties": True}
+    assert engine_args(tiny)["structured_outputs_config"] == compact
+    mine = {"backend": "xgrammar"}
+    args = engine_args(tiny, options={"engine_args": {"structured_outputs_config": mine}})
+    assert args["structured_outputs_config"] == mine
+
+
 def test_parallel_sizes_are_checked_against_the_model(
     monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
 ) -> None:

@@ -73,6 +73,15 @@ def model_dir(model: str, facts: Facts) -> tuple[Path, Facts]:
     return path, facts
 
 
+#: response formats through llguidance in compact JSON, as MLX and ExLlamaV2 enforce them: vLLM's
+#: default grammars admit JSON's free whitespace, which a model can write for ever (random weights
+#: do), and vLLM reads the switch from its engine config only (the request's
+#: StructuredOutputsParams.disable_any_whitespace is not read). An object schema that does not say
+#: whether other properties are allowed allows none, as under vLLM's default grammar (xgrammar).
+#: ``engine_args={"structured_outputs_config": ...}`` replaces it.
+COMPACT_JSON = {"backend": "guidance", "disable_any_whitespace": True, "disable_additional_properties": True}
+
+
 def engine_args(
     opts: VLLMOptions,
     *,
@@ -154,6 +163,8 @@ def engine_args(
             f"engine_args sets {', '.join(clash)}, which unillm sets from its own options; "
             "use the options of the same meaning instead"
         )
+    if "structured_outputs_config" not in opts.engine_args:
+        args["structured_outputs_config"] = dict(COMPACT_JSON)
     return {**args, **opts.engine_args}, parallel, notes
 
 
