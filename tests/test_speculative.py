@@ -86,6 +86,24 @@ def test_llamacpp_self_draft_gives_the_same_greedy_tokens(tiny: TinyModel, llama
 
 
 @needs_llama_cpp
+def test_llamacpp_draft_with_a_grammar_keeps_the_format(tiny: TinyModel, llama: Any) -> None:
+    """The draft drafts without the grammar; the grammar-constrained target verifies, so the
+    output is the constrained one, only the drafts are mostly rejected."""
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    params = SamplingParams(temperature=0.0, max_tokens=40, response_format=fmt)
+    opts = {"n_threads": 2, "draft_model": str(tiny.gguf_path)}
+    with LlamaCppEngine(model=str(tiny.gguf_path), context_length=512, options=opts) as e:
+        for prompt in PROMPTS[:2]:
+            want, got = llama.generate(prompt, params), e.generate(prompt, params)
+            assert got.token_ids == want.token_ids and isinstance(got.parsed()["a"], int)
+            u = got.usage
+            assert u.draft_tokens and 0 <= (u.accepted_draft_tokens or 0) <= u.draft_tokens
+
+
+@needs_llama_cpp
 def test_llamacpp_prompt_lookup_gives_the_same_greedy_tokens(tiny: TinyModel, llama: Any) -> None:
     from unillm.engines.llamacpp import LlamaCppEngine
 
