@@ -28,12 +28,19 @@ class FormatGuide(Guide):
 
     def constrain(self, mx: Any, draw: Callable[[Any], Any], fmt: OutputFormat) -> Callable[[Any], Any]:
         """``draw`` (an mlx-lm sampler) limited to what ``fmt`` allows next; each drawn token
-        advances the matcher, so the sampler serves one request, called once per token in order."""
+        advances the matcher, so the sampler serves one request, called once per token in order.
+
+        The matcher is told a token at the next call, not when it is drawn: reading it at once
+        would wait for its forward pass inside mlx-lm's step and undo the overlap of one token's
+        forward pass with the handling of the one before (by then it has been computed)."""
         matcher = self.matcher(fmt)
         neg_inf = mx.array(-float("inf"))
         eos = list(self.eos)
+        drawn: list[Any] = []  # the token drawn at the previous call, not yet told to the matcher
 
         def sample(logprobs: Any) -> Any:
+            if drawn:
+                matcher.consume_token(int(drawn.pop().reshape(-1)[0].item()))
             width = logprobs.shape[-1]
             mask = allowed(matcher, width)
             if not mask.any():  # the format is done or broken (a parse then says which): end
@@ -41,7 +48,7 @@ class FormatGuide(Guide):
                     return draw(logprobs)
                 mask[[e for e in eos if e < width]] = True
             token = draw(mx.where(mx.array(mask), logprobs, neg_inf))
-            matcher.consume_token(int(token.reshape(-1)[0].item()))
+            drawn.append(token)
             return token
 
         return sample
