@@ -352,8 +352,9 @@ def bench_vllm(model: Any, rounds: int) -> dict[str, Any]:
         }
     )
     llm = LLM(**engine.engine_args)
-    # vLLM's JSON grammar admits free whitespace, so random weights run to max_tokens: bound it
-    max_tokens = 48
+    # unillm starts vLLM with compact JSON (unillm/engines/_vllm_args.py), so the output ends on its
+    # own; under vLLM's default grammar (free whitespace) random weights ran to max_tokens
+    max_tokens = 256
     constrained = SamplingParams(max_tokens=max_tokens, temperature=0.0, response_format=SCHEMA)
     uni_c = unillm_stream(engine, constrained)
     n = constrained_count(uni_c)
