@@ -272,3 +272,29 @@ def test_chat_returns_top_logprobs_per_token(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**{**kw, "logprobs": False})
     assert refused.value.param == "top_logprobs"  # type: ignore[attr-defined]
+
+
+def test_a_backend_without_alternatives_refuses_them_by_the_policy() -> None:
+    """``top_logprobs`` is declared on its own: a backend that gives the chosen token's logprob
+    only (MockEngine, several plugins) refuses ``logprobs`` above 0 instead of leaving
+    ``top_logprobs`` empty; ``warn``/``drop`` keep the chosen token's logprob."""
+    import warnings
+
+    from unillm import UnillmWarning, UnsupportedParameter
+    from unillm.testing import MockEngine
+
+    with MockEngine("one two three") as mock:
+        assert "top_logprobs" not in mock.capabilities.sampling
+        assert mock.generate("x", logprobs=0).logprobs == (0.0, 0.0, 0.0)
+        with pytest.raises(UnsupportedParameter) as err:
+            mock.generate("x", logprobs=2)
+        assert "top_logprobs" in str(err.value)
+    for policy in ("warn", "drop"):
+        with (
+            MockEngine("one two", unsupported_params=policy) as mock,
+            warnings.catch_warnings(record=True) as seen,
+        ):
+            warnings.simplefilter("always")
+            done = mock.generate("x", logprobs=2)
+        assert done.logprobs == (0.0, 0.0) and done.top_logprobs is None
+        assert any(issubclass(w.category, UnillmWarning) for w in seen) == (policy == "warn")

@@ -353,7 +353,10 @@ class Engine(ChatMethods, Generic[P]):
         if policy == "warn":
             warn(f"{self.name} ignores {', '.join(unsupported)} (unsupported_params='warn')")
         fields = SamplingParams.model_fields
-        return sp.model_copy(update={n: fields[n].default for n in unsupported})
+        update = {n: fields[n].default for n in unsupported if n in fields}
+        if "top_logprobs" in unsupported and "logprobs" not in unsupported:
+            update["logprobs"] = 0  # the chosen token's logprob, without the alternatives
+        return sp.model_copy(update=update)
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> Any:
         """Check the prompt's type and encode it (inside the gate: encoding uses the engine)."""

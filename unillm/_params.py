@@ -176,9 +176,11 @@ class SamplingParams(_Validated):
         return output_format(self.response_format)
 
     def non_default(self) -> list[str]:
-        """Names of the fields set to something other than their default."""
+        """Names of the fields set to something other than their default, and ``top_logprobs``
+        when ``logprobs`` asks for alternatives (above 0), which a backend declares on its own."""
         fields = type(self).model_fields
-        return [name for name in fields if getattr(self, name) != fields[name].default]
+        names = [name for name in fields if getattr(self, name) != fields[name].default]
+        return [*names, "top_logprobs"] if self.logprobs else names
 
 
 class EngineConfig(_Validated):

@@ -242,11 +242,13 @@ class KVStats:
 
 
 #: Every sampling parameter but ``response_format``: what a full-featured local engine honours.
+#: ``top_logprobs`` is ``logprobs`` above 0 (the alternatives beside the chosen token's logprob),
+#: declared on its own: a backend may give the chosen token's logprob only.
 STANDARD_SAMPLING = frozenset(
     {
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-        "logprobs", "logit_bias",
+        "logprobs", "top_logprobs", "logit_bias",
     }
 )  # fmt: skip
 

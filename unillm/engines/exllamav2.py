@@ -153,7 +153,7 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
     formats: ClassVar[frozenset[str]] = frozenset({"exl2", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
         # response_format: a job filter over llguidance (engines/_exllamav2_format.py)
-        sampling=(STANDARD_SAMPLING | {"response_format"}) - {"logprobs", "logit_bias"},
+        sampling=(STANDARD_SAMPLING | {"response_format"}) - {"logprobs", "top_logprobs", "logit_bias"},
         batching=False,  # True on an engine in paged mode (the dynamic generator batches jobs)
         lora=True,  # one adapter for every job (generator.set_loras)
         devices=frozenset({"cuda", "rocm"}),

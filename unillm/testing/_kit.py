@@ -73,7 +73,7 @@ PROBES: dict[str, Any] = {
     "stop_token_ids": (0,),
     "ignore_eos": True,
     "min_tokens": 2,
-    "logprobs": 1,
+    "logprobs": 0,  # the chosen token's; above 0 is top_logprobs, probed on its own
     "logit_bias": {0: -1.0},
     "response_format": {"type": "json_object"},
 }
@@ -274,9 +274,17 @@ class Conformance:
             out = unillm_engine.generate(PROMPT, _greedy(max_tokens=4, **{name: PROBES[name]}))
             assert out.finish_reason in ("stop", "length"), (name, out)
         if "logprobs" in sampling:
-            out = unillm_engine.generate(PROMPT, _greedy(logprobs=1))
+            out = unillm_engine.generate(PROMPT, _greedy(logprobs=0))
             assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids), out
             assert all(lp <= 0.0 for lp in out.logprobs), out.logprobs
+        if "top_logprobs" in sampling:  # logprobs above 0: k alternatives per token, likeliest first
+            out = unillm_engine.generate(PROMPT, _greedy(logprobs=2))
+            assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.token_ids), out
+            for top in out.top_logprobs:
+                assert len(top) == 2 and top[0][1] >= top[1][1] and all(v <= 0.0 for _, v in top), top
+        elif "logprobs" in sampling and unillm_engine.config.unsupported_params == "strict":
+            with pytest.raises(UnsupportedParameter):  # never an empty top_logprobs
+                unillm_engine.generate(PROMPT, _greedy(logprobs=2))
         if "min_tokens" in sampling:
             out = unillm_engine.generate(PROMPT, _greedy(min_tokens=3, max_tokens=4))
             assert out.usage.completion_tokens >= 3, out

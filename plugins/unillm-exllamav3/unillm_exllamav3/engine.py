@@ -76,7 +76,8 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
     name: ClassVar[str] = "exllamav3"
     formats: ClassVar[frozenset[str]] = frozenset({"exl3", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
+        # the chosen token's logprob only: no top_logprobs (alternatives) yet
+        sampling=(STANDARD_SAMPLING - {"top_logprobs"}) | {"min_tokens", "response_format"},
         batching=True,
         devices=frozenset({"cuda"}),
     )

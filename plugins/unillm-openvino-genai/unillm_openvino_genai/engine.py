@@ -82,7 +82,7 @@ class OpenVINOGenAIEngine(Engine[OpenVINOGenAIOptions]):
     formats: ClassVar[frozenset[str]] = frozenset({FORMAT})
     capabilities: ClassVar[Capabilities] = Capabilities(
         # GenerationConfig has no logit_bias, and returns no per-token logprobs to a streamer
-        sampling=(STANDARD_SAMPLING - {"logprobs", "logit_bias"}) | {"min_tokens"},
+        sampling=(STANDARD_SAMPLING - {"logprobs", "top_logprobs", "logit_bias"}) | {"min_tokens"},
         devices=frozenset({"cpu", "intel-gpu", "npu"}),
     )
     Options: ClassVar[type[BaseModel]] = OpenVINOGenAIOptions
