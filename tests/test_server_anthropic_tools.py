@@ -11,9 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from ._server_util import start_server
-from .conftest import HAS_LLAMA_CPP
-from .test_tools import HERMES, TOOLS
+from .test_tools import TOOLS, start_tool_server
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -29,15 +27,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def ant(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not HAS_LLAMA_CPP:
-        pytest.skip("llama-cpp-python is not installed")
-    config = tmp_path_factory.mktemp("serve") / "server.toml"
-    config.write_text(
-        f'[models.tiny]\nmodel = "{tiny_gguf}"\nbackend = "llama.cpp"\ncontext_length = 4096\n'
-        f"chat_template = '''{HERMES}'''\n",
-        encoding="utf-8",
-    )
-    server = start_server(["--config", str(config)])
+    server = start_tool_server(tiny_gguf, tmp_path_factory)
     yield anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     server.stop()
 

@@ -26,7 +26,7 @@ from unillm._tools import parse_tool_calls, read_tools
 from unillm._types import Capabilities, ChatMessage, SamplingParams
 from unillm.testing import MockEngine, TinyModel
 
-from ._server_util import start_server
+from ._server_util import Server, start_server
 from .conftest import HAS_LLAMA_CPP
 
 # ChatML with Qwen 2.5's tools block, tool calls and tool responses (trimmed).
@@ -544,19 +544,25 @@ def test_vllm_every_forced_call_is_valid(vllm: Any) -> None:
 # ---- unillm serve, with the official openai client ----
 
 
-@pytest.fixture(scope="module")
-def served(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def start_tool_server(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """``unillm serve`` on llama.cpp: the tiny GGUF as ``tiny``, under the Hermes template
+    (which renders tools)."""
     if not HAS_LLAMA_CPP:
         pytest.skip("llama-cpp-python is not installed")
-    import openai
-
     config = tmp_path_factory.mktemp("serve") / "server.toml"
     config.write_text(
         f'[models.tiny]\nmodel = "{tiny_gguf}"\nbackend = "llama.cpp"\ncontext_length = 4096\n'
         f"chat_template = '''{HERMES}'''\n",
         encoding="utf-8",
     )
-    server = start_server(["--config", str(config)])
+    return start_server(["--config", str(config)])
+
+
+@pytest.fixture(scope="module")
+def served(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    import openai
+
+    server = start_tool_server(tiny_gguf, tmp_path_factory)
     yield openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
     server.stop()
 
