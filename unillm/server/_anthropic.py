@@ -65,6 +65,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         "top_p": body.top_p,
         "top_k": body.top_k,
         "stop": stops or None,
+        "lora": record.adapter,
     }
     params = sampling(engine, slot.alias, state.config.max_tokens, body.max_tokens, fields)
     if tools is not None:

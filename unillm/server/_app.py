@@ -19,7 +19,7 @@ from unillm.server._errors import error_response, install
 from unillm.server._generate import ApiError, RequestRecord
 from unillm.server._metrics import Metrics
 from unillm.server._pool import Pool
-from unillm.server._request import chat_prompt, engine_for, record_of
+from unillm.server._request import adapter_of, chat_prompt, engine_for, record_of, served_adapters
 from unillm.server._schemas import DetokenizeRequest, TokenizeRequest
 
 __all__ = ["State", "create_app"]
@@ -104,17 +104,26 @@ def _add_routes(app: FastAPI, state: State) -> None:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [
-            {"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm",
-             "backend": s.backend or s.spec.engine.backend, "loaded": s.loaded, **_served(s.engine)}
-            for s in pool.slots.values()
-        ]  # fmt: skip
+        data = []
+        for s in pool.slots.values():
+            backend = s.backend or s.spec.engine.backend
+            data.append({"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm",
+                         "backend": backend, "loaded": s.loaded, **_served(s.engine)})  # fmt: skip
+            # each named LoRA adapter is a model of its own, as vLLM lists them, where the backend
+            # switches adapters per request (or is not loaded yet, so cannot tell)
+            loaded = s.engine is not None and s.engine.loaded
+            per_request = not loaded or "lora" in s.engine.capabilities.sampling  # type: ignore[union-attr]
+            for name in served_adapters(s.spec.engine) if per_request else ():
+                data.append({"id": f"{s.alias}:{name}", "object": "model", "created": 0,
+                             "owned_by": "unillm", "parent": s.alias, "loaded": s.loaded})  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{alias}")
     async def model(alias: str) -> JSONResponse:
-        s = pool.slot(alias)
-        return JSONResponse({"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm"})
+        base, adapter = adapter_of(state, alias)
+        s = pool.slot(base)
+        found = {"id": s.alias, "object": "model", "created": 0, "owned_by": "unillm"}
+        return JSONResponse(found if adapter is None else {**found, "id": alias, "parent": base})
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:

@@ -50,10 +50,11 @@ class ApiError(Exception):
 class RequestRecord:
     """What the access log says of one request; the routes fill it in as they learn it."""
 
-    __slots__ = ("alias", "completion_tokens", "finish", "pinned", "prompt_tokens", "ttft_s")
+    __slots__ = ("adapter", "alias", "completion_tokens", "finish", "pinned", "prompt_tokens", "ttft_s")
 
     def __init__(self) -> None:
         self.alias: str | None = None
+        self.adapter: str | None = None  # the LoRA adapter the request's model names (alias:adapter)
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.ttft_s: float | None = None

@@ -82,7 +82,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     prompt = await chat_prompt(engine, body.messages, tools)
     asked = body.max_completion_tokens or body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=k)
+    params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=k, lora=record.adapter)
     if tools is not None:
         params = _forced(engine, params, tools)
     chunks = stream(state, slot, engine, prompt, params, record)
@@ -125,7 +125,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
     prompt = _one_prompt(body.prompt)
     slot, engine = await engine_for(state, body.model, record)
-    params = openai_sampling(state, engine, slot.alias, body, body.max_tokens, logprobs=body.logprobs)
+    params = openai_sampling(
+        state, engine, slot.alias, body, body.max_tokens, logprobs=body.logprobs, lora=record.adapter
+    )
     chunks = stream(state, slot, engine, prompt, params, record)
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs is not None

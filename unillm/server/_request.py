@@ -38,8 +38,11 @@ def record_of(request: Request) -> RequestRecord:
 
 
 async def engine_for(state: State, model: str, record: RequestRecord) -> tuple[Slot, Engine[Any]]:
-    """The loaded engine of the alias ``model`` (a name, never a path)."""
-    slot, engine = await state.pool.engine(model)
+    """The loaded engine of the alias ``model`` (a name, never a path). ``alias:adapter`` names
+    one of the alias's LoRA adapters (its config's ``lora = {name = path}``), as vLLM serves
+    each adapter as a model: ``record.adapter`` says which, for the request's sampling."""
+    alias, record.adapter = adapter_of(state, model)
+    slot, engine = await state.pool.engine(alias)
     # pinned before anything awaits: a model loading meanwhile must not unload this one before
     # the request reaches its queue (the edge middleware unpins it when the request ends)
     if record.pinned is None:
@@ -47,6 +50,27 @@ async def engine_for(state: State, model: str, record: RequestRecord) -> tuple[S
         record.pinned = slot
     record.alias = slot.alias
     return slot, engine
+
+
+def adapter_of(state: State, model: str) -> tuple[str, str | None]:
+    """``model`` as (alias, adapter name or None); a 404 naming the adapters for one it lacks."""
+    slots = state.pool.slots
+    base, sep, name = model.rpartition(":") if isinstance(model, str) else ("", "", "")
+    if not sep or model in slots or base not in slots:
+        return model, None
+    adapters = served_adapters(slots[base].spec.engine)
+    if name not in adapters:
+        raise ApiError(
+            404, f"model {model!r} names no adapter of {base!r}; its adapters: "
+            f"{[f'{base}:{a}' for a in adapters] or 'none'}", param="model", code="model_not_found",
+        )  # fmt: skip
+    return base, name
+
+
+def served_adapters(config: Any) -> list[str]:
+    """The adapter names a model's config serves as ``alias:name`` (a lone ``lora`` path
+    applies to every request and is not one)."""
+    return sorted(config.lora) if isinstance(config.lora, dict) else []
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:
@@ -86,7 +110,14 @@ def check_common(body: _Sampling) -> None:
 
 
 def openai_sampling(
-    state: State, engine: Engine[Any], alias: str, body: Any, asked: int | None, *, logprobs: int | None
+    state: State,
+    engine: Engine[Any],
+    alias: str,
+    body: Any,
+    asked: int | None,
+    *,
+    logprobs: int | None,
+    lora: str | None = None,
 ) -> Any:
     """``SamplingParams`` from an OpenAI-shaped body."""
     bias = None
@@ -114,6 +145,7 @@ def openai_sampling(
         "logprobs": logprobs,
         "logit_bias": bias,
         "response_format": _response_format(getattr(body, "response_format", None)),
+        "lora": lora,
     }
     if isinstance(body.stop, list) and len(body.stop) > 16:
         raise ApiError(400, f"stop has {len(body.stop)} strings; send at most 16", param="stop")
