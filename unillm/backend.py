@@ -6,7 +6,8 @@ through one). What it holds:
 The contract
     ``Engine`` (subclass it), ``NoOptions``, ``Request`` (per-request bookkeeping ``_stream``
     fills in), ``RawPiece`` (what ``_stream`` yields), ``TopLogprobs`` (its logprobs with
-    the alternatives), ``Capabilities``, ``Availability``,
+    the alternatives; ``logprobs_from_logits`` and ``top_k_logprobs`` make them from a numpy
+    row), ``Capabilities``, ``Availability``,
     ``Suitability``, ``SamplingParams``, ``EngineConfig``, ``KVStats``, ``STANDARD_SAMPLING`` (the
     sampling set a full-featured engine honours).
 
@@ -43,6 +44,8 @@ from unillm._facts import Facts
 from unillm._guide import GuideEntry
 from unillm._hardware import EngineBuild
 from unillm._kv import KV_BYTES_PER_ELEMENT, kv_bytes_per_element, kv_bytes_per_token, kv_dtype
+from unillm._logprobs import from_logits as logprobs_from_logits
+from unillm._logprobs import top_k as top_k_logprobs
 from unillm._plan import tensor_parallel_ok
 from unillm._run import RawPiece, Request, TopLogprobs
 from unillm._types import (
@@ -88,6 +91,8 @@ __all__ = [
     "kv_bytes_per_element",
     "kv_bytes_per_token",
     "kv_dtype",
+    "logprobs_from_logits",
     "shared_prefix",
     "tensor_parallel_ok",
+    "top_k_logprobs",
 ]

@@ -322,7 +322,9 @@ def test_every_sampling_parameter_is_honoured_so_none_is_refused() -> None:
     from unillm.backend import SamplingParams as Params
 
     # the unsupported-parameter policy has nothing to refuse here; a new field fails this test
-    assert set(Params.model_fields) == set(ExLlamaV3Engine.capabilities.sampling)
+    # (top_logprobs: logprobs above 0, declared on its own; lora, an adapter per request, it has not)
+    every = (set(Params.model_fields) - {"lora"}) | {"top_logprobs"}
+    assert every == set(ExLlamaV3Engine.capabilities.sampling)
 
 
 SCHEMA = {
@@ -382,6 +384,16 @@ def test_logprobs_are_the_models_own(engine: ExLlamaV3Engine) -> None:
     cut = engine.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True, logprobs=1, stop_token_ids=[stop])
     assert cut.logprobs == pytest.approx(out.logprobs[: len(cut.token_ids)], abs=1e-6)
     assert engine.generate(PROMPT, GREEDY, max_tokens=4).logprobs is None
+    top = engine.generate(PROMPT, GREEDY, max_tokens=8, ignore_eos=True, logprobs=3)
+    assert top.logprobs == pytest.approx(out.logprobs, abs=1e-5) and top.top_logprobs is not None
+    seq = engine.tokenize(PROMPT)
+    for token, alternatives in zip(top.token_ids, top.top_logprobs, strict=True):
+        row = np.asarray(model.fake_logits(seq), dtype=np.float64)
+        lsm = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        want = sorted(range(len(lsm)), key=lambda t: (-lsm[t], t))[:3]
+        assert [t for t, _ in alternatives] == want
+        assert [v for _, v in alternatives] == pytest.approx([lsm[t] for t in want], abs=1e-4)
+        seq.append(token)
 
 
 def test_a_job_exllamav3_fails_alone_fails_only_its_own_stream(engine: ExLlamaV3Engine, fake: Any) -> None:

@@ -41,8 +41,10 @@ from unillm.backend import (
     Request,
     SamplingParams,
     Suitability,
+    TopLogprobs,
     check_prompt,
     installed,
+    logprobs_from_logits,
 )
 from unillm_exllamav3._jobs import JobRunner, job_done
 from unillm_exllamav3._load import (
@@ -76,8 +78,7 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
     name: ClassVar[str] = "exllamav3"
     formats: ClassVar[frozenset[str]] = frozenset({"exl3", "safetensors"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        # the chosen token's logprob only: no top_logprobs (alternatives) yet
-        sampling=(STANDARD_SAMPLING - {"top_logprobs"}) | {"min_tokens", "response_format"},
+        sampling=STANDARD_SAMPLING | {"min_tokens", "response_format"},
         batching=True,
         devices=frozenset({"cuda"}),
     )
@@ -337,7 +338,8 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
                             logits = (r.get("held") or {}).get("logits")
                         self._finish(r, req, len(ids))
                     if text or out:
-                        yield text, out, self._logprobs(logits, out) if want_lp else None
+                        lp = self._logprobs(logits, out, params.logprobs or 0) if want_lp else None
+                        yield text, out, lp
         except Exception as exc:  # a failed step (the worker's), or a closed engine
             err = generation_error(exc)
             if err is exc:
@@ -368,15 +370,20 @@ class ExLlamaV3Engine(Engine[ExLlamaV3Options]):
             return "", ()
         return str(self._tokenizer.decode(self._proto.new_tensor(ids))), tuple(ids)
 
-    def _logprobs(self, logits: Any, out: tuple[int, ...]) -> tuple[float, ...]:
-        """Each chosen token's log-probability under the model: a log-softmax of the logits
-        exllamav3 returned for it (``return_logits``; shape (1, n, padded vocabulary))."""
+    def _logprobs(self, logits: Any, out: tuple[int, ...], k: int) -> tuple[float, ...] | TopLogprobs:
+        """Each chosen token's log-probability under the model, and with ``k`` above 0 the k most
+        likely tokens': a log-softmax of the logits exllamav3 returned for it (``return_logits``;
+        shape (1, n, padded vocabulary))."""
         if logits is None:
             return tuple(0.0 for _ in out)  # not expected: exllamav3 returns a row per token
         rows, vocab = logits[0], self.vocab_size
-        return tuple(
-            float(rows[i, t].item() - rows[i, :vocab].float().logsumexp(-1).item()) for i, t in enumerate(out)
-        )
+        if k <= 0:
+            return tuple(
+                float(rows[i, t].item() - rows[i, :vocab].float().logsumexp(-1).item())
+                for i, t in enumerate(out)
+            )
+        each = [logprobs_from_logits(rows[i, :vocab].float().cpu().numpy(), t, k) for i, t in enumerate(out)]
+        return TopLogprobs(tuple(p.chosen[0] for p in each), tuple(p.top[0] for p in each))  # type: ignore[union-attr]
 
     def _sampler(self, params: SamplingParams) -> Any:
         """exllamav3's ComboSampler: penalties and logit bias, then argmax at temperature 0, else

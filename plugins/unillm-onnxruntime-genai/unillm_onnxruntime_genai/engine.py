@@ -36,6 +36,7 @@ from unillm.backend import (
     check_prompt,
     installed,
     kv_bytes_per_token,
+    logprobs_from_logits,
 )
 from unillm_onnxruntime_genai import NAME
 from unillm_onnxruntime_genai._files import (
@@ -71,7 +72,7 @@ _KV_DTYPES = {4: "f32", 2: "f16"}  # the cache's element size -> its name
 SAMPLING = frozenset(
     {
         "max_tokens", "stop", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
-        "stop_token_ids", "ignore_eos", "logprobs", "logit_bias",
+        "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias",
     }
 )  # fmt: skip
 
@@ -271,9 +272,8 @@ class OnnxGenAIEngine(Engine[OnnxGenAIOptions]):
                 if tok in stop_ids:
                     req.finish_reason = "stop"
                     return
-                if want_lp:
-                    top = row.max()
-                    lp = (float(row[tok] - top - np.log(np.exp(row - top).sum())),)
+                if want_lp:  # the model's own: the logits before the bias
+                    lp = logprobs_from_logits(row, tok, params.logprobs or 0)
                 n += 1
                 text = decode(table[tok]) if table is not None else stream.decode(tok)
                 yield text, (tok,), lp

@@ -32,7 +32,7 @@ from unillm_openai_http._errors import PromptTooLong, ServedModelNotFound, Serve
 from unillm_openai_http._metrics import kv_from_metrics
 from unillm_openai_http.engine import OpenAIHTTPEngine
 
-from unillm import ContextLengthExceeded, KVStats, ModelNotFound
+from unillm import ConfigError, ContextLengthExceeded, KVStats, ModelNotFound
 from unillm.testing import Conformance, TinyModel
 
 pytestmark = pytest.mark.skipif(
@@ -207,9 +207,11 @@ def test_errors_are_typed(engine: OpenAIHTTPEngine, server: Proc, tiny: TinyMode
     with pytest.raises(PromptTooLong) as long:
         engine.generate("fox " * 600, GREEDY)
     assert isinstance(long.value, ContextLengthExceeded) and "maximum context length" in str(long.value)
-    with pytest.raises(ServerRefused) as bad:  # an HTTP 400
+    with pytest.raises(ConfigError, match="min_tokens"):  # unillm refuses it before it is sent
         engine.generate(PROMPTS[0], min_tokens=9, max_tokens=4)
-    assert bad.value.status == 400 and "min_tokens" in str(bad.value)
+    with pytest.raises(ServerRefused) as bad:  # an HTTP 400: vLLM's seed is an int64
+        engine.generate(PROMPTS[0], seed=2**64)
+    assert bad.value.status == 400 and "seed" in str(bad.value)
     # vLLM checks ids against its vocabulary inside a stream it answered 200: an error event with
     # code 400, a refusal too (not a server failure)
     with pytest.raises(ServerRefused) as vocab:

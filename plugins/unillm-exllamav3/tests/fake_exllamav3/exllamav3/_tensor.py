@@ -20,7 +20,7 @@ _CPU = _Device()
 
 class Tensor:
     """A CPU tensor over a numpy array: ``shape``, ``dim()``, indexing, iteration over rows,
-    ``tolist()``, ``item()``, ``new_tensor()``, ``clone()``, ``device``."""
+    ``tolist()``, ``item()``, ``numpy()``, ``cpu()``, ``new_tensor()``, ``clone()``, ``device``."""
 
     __slots__ = ("_a",)
 
@@ -50,6 +50,9 @@ class Tensor:
 
     def numpy(self) -> Any:
         return self._a
+
+    def cpu(self) -> Tensor:  # torch's: a copy in host memory (this one is there already)
+        return self
 
     def float(self) -> Tensor:
         return Tensor(self._a, np.float32)
