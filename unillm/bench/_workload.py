@@ -13,24 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from unillm._errors import ConfigError
+from unillm._params import _Validated
 
 __all__ = ["SLO", "Arrival", "Lengths", "Workload", "load_workload"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise ConfigError.from_validation(exc, type(self).__name__) from exc
-
-
-class Lengths(_Model):
+class Lengths(_Validated):
     """A distribution of token counts: ``fixed`` (``mean``), ``uniform`` (``min``..``max``,
     inclusive) or ``normal`` (``mean``, ``std``, clipped to ``min``..``max``)."""
 
@@ -71,7 +62,7 @@ def _lengths(value: Any) -> Any:
     )
 
 
-class Arrival(_Model):
+class Arrival(_Validated):
     """When requests are sent. ``closed``: each of ``concurrency`` clients sends its next request
     when its last one ends. ``poisson``: at ``rate`` requests per second, exponential gaps.
     ``gamma``: gamma-distributed gaps with mean 1/rate and shape ``burstiness`` (1 is Poisson,
@@ -81,7 +72,7 @@ class Arrival(_Model):
     burstiness: float = Field(default=1.0, gt=0.0, description="Gamma shape (gamma process only).")
 
 
-class SLO(_Model):
+class SLO(_Validated):
     """Bounds a request must meet to count toward goodput; unset bounds are not checked."""
 
     ttft_ms: float | None = Field(default=None, gt=0)
@@ -89,7 +80,7 @@ class SLO(_Model):
     e2e_ms: float | None = Field(default=None, gt=0)
 
 
-class Workload(_Model):
+class Workload(_Validated):
     """One benchmark workload. Its levels: one run per ``concurrency`` value (closed loop), or one
     per ``rates`` value (open loop, at most ``max_concurrency`` requests in flight when set)."""
 
