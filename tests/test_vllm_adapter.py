@@ -419,6 +419,32 @@ def test_load_errors_quote_the_engines_causes_not_traceback_text() -> None:
     assert "unillm.vllm.engine" in text  # where the whole output is
 
 
+# What the engine core's spawned process printed (a real run, trimmed) when the caller's script
+# loaded vLLM at module level: the spawned process re-imported it and tried to start another engine.
+SPAWN_REIMPORT = (
+    '  File "/usr/lib/python3.11/multiprocessing/spawn.py", line 140, in _check_not_importing_main',
+    '    raise RuntimeError("""',
+    "RuntimeError:",
+    "        An attempt has been made to start a new process before the",
+    "        current process has finished its bootstrapping phase.",
+    "        This probably means that you are not using fork to start your",
+    "            if __name__ == '__main__':",
+    "                freeze_support()",
+    "The above exception was the direct cause of the following exception:",
+    '  File "/tmp/script.py", line 17, in <module>',
+    "unillm._errors.ModelLoadError: vLLM failed to start the engine for '/m': RuntimeError:",
+)
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one() -> None:
+    exc = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    err = load_error(exc, _Capture(*SPAWN_REIMPORT), {"model": "m"})  # type: ignore[arg-type]
+    assert type(err) is ModelLoadError
+    assert 'if __name__ == "__main__":' in str(err)
+    # without those lines the same exception is the plain failed start
+    assert "__main__" not in str(load_error(exc, _Capture(), {"model": "m"}))  # type: ignore[arg-type]
+
+
 def test_the_architecture_refusal_drops_vllms_list_of_every_architecture() -> None:
     exc = ValueError(
         "Model architectures ['NoSuch'] are not supported for now. Supported architectures: "

@@ -177,9 +177,21 @@ def cause_lines(lines: Iterable[str], n: int = 6) -> list[str]:
     return out[-n:]
 
 
+# What multiprocessing says when a spawned process re-imports a main module that starts processes.
+_SPAWN_REIMPORT = "finished its bootstrapping phase"
+
+
 def load_error(exc: Exception, capture: OutputCapture, args: Mapping[str, Any]) -> UnillmError:
     """The unillm error for a failed start: its type from what the engine said (its exception and
     the cause lines its processes printed), its message quoting those lines."""
+    if any(_SPAWN_REIMPORT in line for line in capture.tail(200)):
+        # The engine core's spawned process imported the caller's script, which loaded vLLM again:
+        # the cause lines are multiprocessing's indented explanation, which cause_lines() skips.
+        return ModelLoadError(
+            "vLLM starts its engine in a new process, which imports your main script again, and that "
+            "import tried to start another engine. Put the code that loads the engine under "
+            '`if __name__ == "__main__":` (as multiprocessing\'s spawn start method requires).'
+        )
     text = _ARCH_LIST.sub("", f"{type(exc).__name__}: {exc}")
     lines = [ln for ln in cause_lines(capture.tail(200)) if ln not in text]
     quoted = "".join(f"\n  {ln}" for ln in lines)
