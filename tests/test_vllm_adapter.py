@@ -25,7 +25,7 @@ from unillm._plan import Workload, plan
 from unillm.backend import Facts
 from unillm.engines import vllm as backend
 from unillm.engines._vllm_args import model_dir
-from unillm.engines._vllm_runtime import Mailbox, OutputCapture
+from unillm.engines._vllm_runtime import EngineLoop, Mailbox, OutputCapture
 from unillm.engines._vllm_start import load_error, weights_dtype
 from unillm.engines.vllm import VLLMEngine
 from unillm.testing import TinyModel, check_closed
@@ -525,3 +525,66 @@ def test_output_capture_logs_child_output_without_feeding_back(caplog: pytest.Lo
     warning = next(r for r in caplog.records if r.getMessage() == "WARNING last")
     assert warning.levelno == logging.DEBUG  # the engine's warnings are about vLLM, not the caller
     assert capture.tail(1) == ["WARNING last"]
+
+
+# ---- the engine's loop, hosted on the application's ----
+
+
+def test_a_hosted_engine_loop_runs_on_the_hosts_loop_and_stops_only_its_own_requests() -> None:
+    host = asyncio.new_event_loop()
+    runner = threading.Thread(target=host.run_forever, daemon=True)
+    runner.start()
+    try:
+        before = {t.name for t in threading.enumerate()}
+        loop = EngineLoop(host)
+        assert loop.hosted and loop.loop is host
+        assert {t.name for t in threading.enumerate()} == before  # no thread of its own
+
+        async def where() -> asyncio.AbstractEventLoop:
+            return asyncio.get_running_loop()
+
+        assert loop.call(where()) is host  # from another thread: runs there, waited for
+        bystander = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), host)
+        started = threading.Event()
+
+        async def request() -> None:
+            started.set()
+            await asyncio.sleep(3600)
+
+        mine = loop.submit(request())
+        assert started.wait(5)
+
+        async def on_the_loop() -> tuple[bool, bool, str]:
+            task = loop.submit(request())  # on the loop: a task, no hop
+            coro = where()
+            try:
+                loop.call(coro)
+            except ConfigError as exc:
+                refused = str(exc)
+            else:
+                refused = ""
+            task.cancel()
+            return isinstance(task, asyncio.Task), loop.on_loop(), refused
+
+        is_task, on_loop, refused = asyncio.run_coroutine_threadsafe(on_the_loop(), host).result(5)
+        assert is_task and on_loop and "astream" in refused  # a blocking call there is refused
+        assert not loop.on_loop()
+        loop.stop()
+        assert mine.cancelled()
+        assert not bystander.done()  # the host's own tasks go on
+        assert host.is_running() and not host.is_closed()
+        bystander.cancel()
+    finally:
+        host.call_soon_threadsafe(host.stop)
+        runner.join(5)
+        host.close()
+    loop.stop()  # the host's loop closed: nothing to do
+
+
+def test_an_engine_loop_of_its_own_still_stops_its_thread() -> None:
+    loop = EngineLoop()
+    assert not loop.hosted
+    names = [t.name for t in threading.enumerate()]
+    assert "unillm-vllm-loop" in names
+    loop.stop()
+    assert loop.loop.is_closed()

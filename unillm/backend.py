@@ -33,7 +33,10 @@ KV cache size, one formula for every engine
 Batching engines
     ``StepWorker`` and ``Live``: a worker thread that owns an engine object which is not
     thread-safe and serves many callers through it (continuous batching); ``StepWorker.events``
-    is the caller's side, the loop every batching ``_stream`` runs.
+    is the caller's side, the loop every batching ``_stream`` runs. ``host_loop()``: the event
+    loop the application will consume the engine's async streams on, when the loading code said
+    so (``unillm serve`` does): an asyncio-native engine may run there instead of on a loop of
+    its own (the vLLM backend does), which saves a thread hop per token.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from unillm._hardware import EngineBuild
 from unillm._kv import KV_BYTES_PER_ELEMENT, kv_bytes_per_element, kv_bytes_per_token, kv_dtype
 from unillm._logprobs import from_logits as logprobs_from_logits
 from unillm._logprobs import top_k as top_k_logprobs
+from unillm._loops import host_loop
 from unillm._plan import tensor_parallel_ok
 from unillm._run import RawPiece, Request, TopLogprobs
 from unillm._types import (
@@ -87,6 +91,7 @@ __all__ = [
     "check_text",
     "check_token_ids",
     "gpu_present",
+    "host_loop",
     "installed",
     "kv_bytes_per_element",
     "kv_bytes_per_token",

@@ -4,7 +4,9 @@ engine processes' output into logging, and the stat logger that keeps vLLM's own
 vLLM's ``AsyncLLM`` binds its output handler to the event loop it first runs on, so the backend
 gives it a loop of its own on a daemon thread. Sync callers (any thread) and async callers (any
 loop) reach it from there: the first through a thread-safe queue, the second by a wake-up of their
-own loop, one per engine step rather than one per request.
+own loop, one per engine step rather than one per request. When the loading code names the loop
+that will consume the streams (``unillm.backend.host_loop``: ``unillm serve`` does), the engine
+runs on that loop instead, as vLLM's own server runs it, and its streams there need no hop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from unillm._errors import ConfigError
+
 __all__ = ["EngineLoop", "KVNumbers", "Mailbox", "OutputCapture", "stat_logger_factory"]
 
 T = TypeVar("T")
@@ -28,9 +32,17 @@ engine_log = logging.getLogger("unillm.vllm.engine")
 
 
 class EngineLoop:
-    """An asyncio loop on a daemon thread: where the ``AsyncLLM`` lives and its requests run."""
+    """An asyncio loop where the ``AsyncLLM`` lives and its requests run: a loop of its own on a
+    daemon thread, or ``host``, a loop the application runs (then nothing here starts or stops
+    it, and ``stop()`` cancels only the requests submitted through this object)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: asyncio.AbstractEventLoop | None = None) -> None:
+        self.hosted = host is not None
+        self._tasks: set[asyncio.Task[Any]] = set()  # hosted: the requests in flight, for stop()
+        self._thread: threading.Thread | None = None
+        if host is not None:
+            self.loop = host
+            return
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="unillm-vllm-loop", daemon=True)
         self._thread.start()
@@ -39,13 +51,49 @@ class EngineLoop:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
+    def on_loop(self) -> bool:
+        """Whether the caller runs on this loop's own thread (where waiting for it would hang)."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def refuse_blocking(self) -> None:
+        """ConfigError on the loop's own thread, where a blocking call would wait for itself."""
+        if self.on_loop():
+            raise ConfigError(
+                "this blocking call would wait for the event loop it runs on, which also runs the "
+                "vLLM engine (loaded for this loop): use the async methods (astream, agenerate) "
+                "here, or call it from another thread (asyncio.to_thread)"
+            )
+
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        try:
+            self.refuse_blocking()
+        except ConfigError:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop).result(timeout)
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Start ``coro`` on the loop; returns a ``concurrent.futures.Future``."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Start ``coro`` on the loop; returns a future (``cancel()`` stops it), a task when the
+        caller is on the loop already."""
+        if self.on_loop():
+            task = self.loop.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return task
+        return asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._tasks.discard(task)
 
     def stop(self) -> None:
         if self.loop.is_closed():
@@ -53,13 +101,20 @@ class EngineLoop:
 
         async def _cancel_all() -> None:
             me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            tasks = list(self._tasks) if self.hosted else asyncio.all_tasks()
+            tasks = [t for t in tasks if t is not me]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+        if self.on_loop():  # hosted, closed from its own loop: cancel without waiting
+            for t in list(self._tasks):
+                t.cancel()
+            return
         with contextlib.suppress(Exception):
-            self.call(_cancel_all(), timeout=10)
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(10)
+        if self._thread is None:
+            return  # the host's loop: its owner stops it
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():

@@ -95,7 +95,11 @@ def start(
     env: Mapping[str, str] | None = None,
 ) -> Any:
     """Create the AsyncLLM on the engine loop, the engine processes writing into ``capture`` and
-    started with ``env`` added to their environment."""
+    started with ``env`` added to their environment.
+
+    On a hosted loop (the application's, running elsewhere) it is created here, on this thread,
+    with no loop running: vLLM then binds its output tasks to the loop of its first async call,
+    which is made on the host's loop (the start takes seconds to minutes: never on that loop)."""
     fields = {f.name for f in dataclasses.fields(vllm.AsyncEngineArgs)}
     unknown = sorted(set(args) - fields)
     if unknown:
@@ -106,15 +110,31 @@ def start(
         raise ConfigError(f"vLLM refuses the engine arguments: {exc}") from exc
     factory = stat_logger_factory(numbers)
 
-    async def create() -> Any:
+    def make() -> Any:
         return vllm.AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
+
+    async def create() -> Any:
+        return make()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         with capture.redirect(), _environment(env or {}):
-            return loop.call(create())
+            if not loop.hosted:
+                return loop.call(create())
+            if loop.on_loop():  # loaded on the host's loop itself: vLLM binds to it at once
+                return make()
+            engine = make()
     except Exception as exc:
         raise load_error(exc, capture, args) from exc
+    try:
+        # The first call on the host's loop starts the task that reads the engine core's outputs
+        # (vLLM starts it at once only when created on a running loop), so that an engine core
+        # failing before any request is seen.
+        loop.call(engine.get_supported_tasks(), timeout=60)
+    except Exception as exc:
+        engine.shutdown()
+        raise load_error(exc, capture, args) from exc
+    return engine
 
 
 @contextlib.contextmanager

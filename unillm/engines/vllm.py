@@ -64,6 +64,7 @@ from unillm.backend import (
     Suitability,
     check_prompt,
     gpu_present,
+    host_loop,
 )
 from unillm.engines._memory import VLLM_MEMORY
 from unillm.engines._vllm_args import READS, engine_args, kv_bytes, kv_cache_dtype_name, model_dir
@@ -175,7 +176,7 @@ class VLLMEngine(Engine[VLLMOptions]):
             with capture.redirect():
                 vllm = import_vllm(_hint())
             numbers = KVNumbers()
-            loop = EngineLoop()
+            loop = EngineLoop(host_loop())
             engine = start(vllm, args, loop, capture, numbers, _build()[1], env)
         except BaseException:
             if loop is not None:
@@ -291,6 +292,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         self, prepared: tuple[list[int], Any, Any], params: SamplingParams, req: Request
     ) -> Iterator[Piece]:
         ids, sp, lora = prepared
+        self._loop.refuse_blocking()
         req.prompt_tokens = len(ids)
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         future = self._submit(self._pump(ids, sp, lora, req, q.put))
@@ -308,7 +310,9 @@ class VLLMEngine(Engine[VLLMOptions]):
         ids, sp, lora = prepared
         req.prompt_tokens = len(ids)
         q: asyncio.Queue[Any] = asyncio.Queue()
-        post = functools.partial(self._mailbox(asyncio.get_running_loop()).post, q)
+        here = asyncio.get_running_loop()
+        # on the engine's own loop (hosted there) the request hands its pieces straight over
+        post = q.put_nowait if here is self._loop.loop else functools.partial(self._mailbox(here).post, q)
         future = self._submit(self._pump(ids, sp, lora, req, post))
         try:
             while (item := await q.get()) is not _END:

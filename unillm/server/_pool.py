@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from unillm._errors import UnillmError
+from unillm._loops import host_loop_for
 
 if TYPE_CHECKING:
     from unillm._engine import Engine
@@ -188,7 +189,9 @@ class Pool:
             raise Busy("the server is shutting down", retry_after_s=5)
         started = time.perf_counter()
         log.info("loading %s (%s)", slot.alias, slot.spec.engine.backend or "auto")
-        engine = await asyncio.to_thread(self._loader, slot.spec.engine)
+        # an engine that can run on this loop does (host_loop_for: vLLM), saving a hop a token
+        with host_loop_for(asyncio.get_running_loop()):
+            engine = await asyncio.to_thread(self._loader, slot.spec.engine)
         self._installed(slot, engine)
         log.info("loaded %s on %s in %.1f s", slot.alias, engine.name, time.perf_counter() - started)
 
