@@ -781,7 +781,7 @@ def test_serve_without_a_model_exits_2() -> None:
 
 
 def test_serve_refuses_a_bad_alias_and_engine_flags_with_a_config(tiny_gguf: Path, tmp_path: Path) -> None:
-    for alias in ("../up", "a/b", ".hidden", "x" * 129):
+    for alias in ("../up", "a/b", ".hidden", "x" * 129, "", " "):
         out = runner.invoke(app, ["serve", str(tiny_gguf), "--alias", alias])
         assert out.exit_code == 2 and "ConfigError" in out.output, (alias, out.output)
     config = tmp_path / "server.toml"

@@ -71,10 +71,9 @@ def serve(
 
             engine = read_config(None, model=model, backend=backend, context_length=context,
                                  options=opts or None, concurrency=concurrency)  # fmt: skip
-            specs.append(
-                model_spec(alias or default_alias(engine.model), engine.model_dump(exclude_unset=True))
-            )
-        elif alias or backend or opts or context or concurrency:
+            name = default_alias(engine.model) if alias is None else alias  # --alias "" is refused
+            specs.append(model_spec(name, engine.model_dump(exclude_unset=True)))
+        elif alias is not None or backend or opts or context or concurrency:
             raise _bad("--alias, --backend, --option, --context and --concurrency go with MODEL; with "
                        "--config, set them in the [models.<alias>] tables")  # fmt: skip
         cfg = read_server_config(
