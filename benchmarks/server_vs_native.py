@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import machine, tiny_bench_model
 from _http_load import percentile, run_load, summarize
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout whose unillm is measured
 ENGINES = ("llamacpp", "mlx", "vllm")
 ALIAS = "tiny-bench"
 CONTEXT = 1024
@@ -139,8 +140,10 @@ def free_port() -> int:
 
 
 def unillm_cli() -> list[str]:
-    exe = Path(sys.executable).parent / "unillm"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "unillm"]
+    """``unillm`` from this checkout: ``python -m unillm`` with the repository first on the path
+    (``start`` sets ``PYTHONPATH``), whatever checkout an editable install points at (a shared
+    environment's ``unillm`` script runs the last checkout installed into it)."""
+    return [sys.executable, "-m", "unillm"]
 
 
 def servers_for(engine: str, model: Any, tmp: Path) -> tuple[Server, Server]:
@@ -229,6 +232,8 @@ def start(server: Server, tmp: Path, timeout: float) -> None:
     server.argv += ["--port", str(server.port)]
     server.log = tmp / f"{server.label}-{server.port}.log"
     env = {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if server.label == "unillm":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     with open(server.log, "wb") as log:
         server.proc = subprocess.Popen(
@@ -681,6 +686,20 @@ def print_table(results: dict[str, Any]) -> None:
                 print(line)
 
 
+def checkout() -> dict[str, Any]:
+    """The checkout whose unillm was measured: its path, commit and whether it had changes."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    return {
+        "path": str(ROOT),
+        "commit": git("rev-parse", "HEAD") or None,
+        "changed": bool(git("status", "--porcelain")),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: llamacpp,mlx,vllm")
@@ -746,6 +765,7 @@ def main() -> None:
     met = goals(results)
     out = {
         "machine": machine(),
+        "unillm_checkout": checkout(),
         "versions": versions(engines),
         "model": {"gguf": tiny_bench_model(model, gguf=True), "hf": tiny_bench_model(model)},
         "workload": {
