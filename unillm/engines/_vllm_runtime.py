@@ -69,12 +69,10 @@ class EngineLoop:
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (from any other thread)."""
-        try:
-            self.refuse_blocking()
-        except ConfigError:
+        if self.on_loop():
             coro.close()
-            raise
-        return asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop).result(timeout)
+            self.refuse_blocking()
+        return asyncio.run_coroutine_threadsafe(self._own(coro), self.loop).result(timeout)
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Start ``coro`` on the loop; returns a future (``cancel()`` stops it), a task when the
@@ -84,7 +82,12 @@ class EngineLoop:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return task
-        return asyncio.run_coroutine_threadsafe(self._tracked(coro), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._own(coro), self.loop)
+
+    def _own(self, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        """``coro``, counted among this object's tasks where ``stop()`` needs them (hosted: on a
+        loop of its own, ``stop()`` cancels every task there)."""
+        return self._tracked(coro) if self.hosted else coro
 
     async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
         task = asyncio.current_task()
