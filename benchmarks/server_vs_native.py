@@ -6,7 +6,8 @@ streaming chat completions, measured client-side on this process's clock, on the
 servers). Per engine both servers are started once and stay up; rounds interleave them (A, B, then
 B, A, ...), and in every round each concurrency level gets ``--requests`` requests (default
 max(8, 2 x concurrency)), ``concurrency`` in flight at a time (closed loop). Prompts differ per
-request and per round but are the same for both servers in a round; decoding is greedy
+request, concurrency level and round (no server is sent a prompt twice, so none skips a prefill
+from a cache the other lacks) and are the same for both servers; decoding is greedy
 (temperature 0, top_p 1), ``--tokens`` output tokens asked per request.
 
 Forcing the output length: ``unillm serve`` and vLLM take ``ignore_eos: true``; llama_cpp.server and
@@ -294,8 +295,11 @@ def tail(path: Path | None, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def prompt(round_: int, i: int) -> str:
-    return f"Story {round_}-{i}: once upon a time, a small model number {i} wanted to tell stories."
+def prompt(round_: int, concurrency: int, i: int) -> str:
+    # never the same prompt twice to one server: a server that kept the caches of earlier prompts
+    # (mlx_lm.server keeps ten whole sequences) would otherwise skip their prefill
+    story = f"Story {round_}-{concurrency}-{i}"
+    return f"{story}: once upon a time, a small model number {i} wanted to tell stories."
 
 
 def load(
@@ -304,7 +308,7 @@ def load(
     def body(i: int) -> dict[str, Any]:
         return {
             "model": server.model,
-            "messages": [{"role": "user", "content": prompt(round_, i)}],
+            "messages": [{"role": "user", "content": prompt(round_, concurrency, i)}],
             "max_tokens": tokens,
             "temperature": 0.0,
             "top_p": 1.0,
@@ -770,7 +774,7 @@ def main() -> None:
         "model": {"gguf": tiny_bench_model(model, gguf=True), "hf": tiny_bench_model(model)},
         "workload": {
             "api": "/v1/chat/completions, streaming, stream_options.include_usage",
-            "prompt": prompt(0, 0) + "  (round and request number vary)",
+            "prompt": prompt(0, 1, 0) + "  (round, concurrency and request number vary)",
             "output_tokens_asked": args.tokens,
             "sampling": "greedy: temperature 0, top_p 1",
             "rounds": args.rounds,
