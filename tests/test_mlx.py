@@ -14,6 +14,7 @@ import pytest
 
 from unillm import (
     BackendUnavailable,
+    ConfigError,
     ContextLengthExceeded,
     ModelFormatError,
     ModelNotFound,
@@ -218,6 +219,53 @@ def test_concurrent_callers_share_one_batch(mlx: Any) -> None:
         mlx.generate(f"Request {i} says", GREEDY, max_tokens=48, ignore_eos=True).token_ids for i in range(4)
     ]
     assert together == alone
+
+
+def test_prefill_batch_size_default_and_bounds(tiny: TinyModel) -> None:
+    """On the CPU build, prompts prefill one at a time unless asked; more than batch_size is refused."""
+    import mlx.core as mx
+
+    from unillm.engines.mlx import MLXEngine
+
+    with MLXEngine(model=str(tiny.hf_dir), context_length=256, options={"batch_size": 4}) as e:
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        assert e._batcher._gen.prefill_batch_size == (1 if on_cpu else 4)
+    with pytest.raises(ConfigError, match="prefill_batch_size=8 exceeds batch_size=4"):
+        MLXEngine(model=str(tiny.hf_dir), options={"batch_size": 4, "prefill_batch_size": 8})
+
+
+def test_prompts_prefilled_together_give_the_tokens_they_give_alone(
+    tiny: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prefill_batch_size > 1: prompts of different lengths sent together are prefilled as one
+    (padded) batch, and each still gets the tokens it gets alone."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    from unillm.engines.mlx import MLXEngine
+
+    widths: list[int] = []  # prompts in each prefill step
+    step = PromptProcessingBatch.prompt
+
+    def prompt(self: Any, tokens: list[list[int]]) -> Any:
+        widths.append(len(tokens))
+        return step(self, tokens)
+
+    monkeypatch.setattr(PromptProcessingBatch, "prompt", prompt)
+
+    prompts = [f"Request {i} says{' and more' * i}" for i in range(4)]
+    opts = {"batch_size": 4, "prefill_batch_size": 4}
+    with MLXEngine(model=str(tiny.hf_dir), context_length=256, options=opts) as e:
+        assert e._batcher._gen.prefill_batch_size == 4
+
+        async def main() -> list[tuple[int, ...]]:
+            done = await asyncio.gather(*(e.agenerate(p, GREEDY, ignore_eos=True) for p in prompts))
+            return [d.token_ids for d in done]
+
+        together = asyncio.run(main())
+        assert max(widths) > 1  # some prompts were prefilled in one step
+        alone = [e.generate(p, GREEDY, ignore_eos=True).token_ids for p in prompts]
+    assert together == alone
+    assert all(len(t) == GREEDY.max_tokens for t in together)
 
 
 def test_breaking_a_stream_leaves_the_engine_usable(mlx: Any) -> None:

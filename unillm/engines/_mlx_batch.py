@@ -17,7 +17,7 @@ from typing import Any
 from unillm.backend import Live, StepWorker, shared_prefix
 from unillm.engines._mlx_model import cache_offset
 
-__all__ = ["Batcher", "KeptCache", "Live"]
+__all__ = ["Batcher", "KeptCache", "Live", "finished"]
 
 
 class _ThreadPool:
@@ -53,8 +53,8 @@ class Batcher(StepWorker):
     """A ``BatchGenerator`` on a worker thread; events are ``GenerationBatch.Response``s."""
 
     thread_name = "unillm-mlx-batcher"
-    # mlx-lm prefills the prompts that wait at a step together, and prefilling seven while one
-    # decodes took 4.2-5.8 s where eight together took 3.1-4.5 (the bench model, 2 CPU cores)
+    # mlx-lm prefills up to prefill_batch_size of the prompts that wait at a step together;
+    # where that is more than one (a GPU), prompts sent together should start together
     gather_s = 0.002
 
     def __init__(
@@ -63,18 +63,27 @@ class Batcher(StepWorker):
         eos_ids: Sequence[int],
         *,
         batch_size: int,
+        prefill_batch_size: int | None,
         prefill_step_size: int,
         max_kv_size: int | None,
     ) -> None:
+        import mlx.core as mx
         from mlx_lm.generate import BatchGenerator, StopSequences
 
         super().__init__()
+        if prefill_batch_size is None:
+            # Prefill is compute-bound on a CPU: eight 48-token prompts prefilled together took
+            # 1.87 s, one alone 0.24 s (the bench model, 2 cores), so together they only make
+            # the first wait for the last. A GPU prefills a batch for little more than one.
+            on_cpu = mx.default_device().type == mx.DeviceType.cpu
+            prefill_batch_size = 1 if on_cpu else min(batch_size, 8)
+        self.prefill_batch_size = prefill_batch_size
 
         def make() -> Any:
             return BatchGenerator(
                 model,
                 completion_batch_size=batch_size,
-                prefill_batch_size=min(batch_size, 8),
+                prefill_batch_size=prefill_batch_size,
                 prefill_step_size=prefill_step_size,
                 max_kv_size=max_kv_size,
             )
@@ -130,6 +139,11 @@ class Batcher(StepWorker):
 
     def _shutdown(self) -> None:
         self._gen = None
+
+
+def finished(r: Any) -> bool:
+    """A ``BatchGenerator`` response that ends its sequence."""
+    return r.finish_reason is not None
 
 
 class KeptCache:

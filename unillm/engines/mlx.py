@@ -42,7 +42,7 @@ from unillm.engines import _mlx_draft as spec  # speculative decoding (draft_mod
 from unillm.engines._logprobs import MLXLogprobs
 from unillm.engines._lora import apply_peft_mlx, mlx_lora
 from unillm.engines._memory import MLX_MEMORY
-from unillm.engines._mlx_batch import Batcher, KeptCache
+from unillm.engines._mlx_batch import Batcher, KeptCache, finished
 from unillm.engines._mlx_format import FormatGuide
 from unillm.engines._mlx_model import (
     activation_dtype,
@@ -97,11 +97,22 @@ class MLXOptions(BaseModel):
         description="Sequences decoded together by mlx-lm's BatchGenerator (continuous batching); "
         "1 runs one request at a time.",
     )
+    prefill_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Batched mode: prompts prefilled together. Default: 1 on the CPU (a batch of "
+        "prompts prefills no faster there than one after another, and the first wait less), "
+        "min(batch_size, 8) on a GPU (mlx-lm's).",
+    )
     draft_model: str | None = Field(default=None, description="Speculative: a draft model directory.")
     num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step.")
 
     @model_validator(mode="after")
-    def _with_draft(self) -> MLXOptions:
+    def _check(self) -> MLXOptions:
+        if (self.prefill_batch_size or 0) > self.batch_size:
+            raise ValueError(
+                f"prefill_batch_size={self.prefill_batch_size} exceeds batch_size={self.batch_size}"
+            )
         return spec.check_options(self)  # type: ignore[no-any-return]
 
 
@@ -245,6 +256,7 @@ class MLXEngine(Engine[MLXOptions]):
                 model,
                 sorted(self._eos),
                 batch_size=opts.batch_size,
+                prefill_batch_size=opts.prefill_batch_size,
                 prefill_step_size=opts.prefill_step_size,
                 max_kv_size=opts.max_kv_size,
             )
@@ -373,7 +385,7 @@ class MLXEngine(Engine[MLXOptions]):
         self._inflight[key] = len(ids)
         try:
             # the worker's events up to the last one; leaving early cancels the sequence
-            with closing(batcher.events(live, last=_finished)) as events:  # type: ignore[type-var]
+            with closing(batcher.events(live, last=finished)) as events:  # type: ignore[type-var]
                 for r in events:
                     tok = r.token
                     if r.finish_reason == "stop":  # the end-of-sequence token (never with ignore_eos)
@@ -485,11 +497,3 @@ class MLXEngine(Engine[MLXOptions]):
         mx = self.__dict__.get("_mx")
         if mx is not None:
             mx.clear_cache()
-
-
-# ---- helpers ----
-
-
-def _finished(r: Any) -> bool:
-    """A ``BatchGenerator`` response that ends its sequence."""
-    return r.finish_reason is not None
