@@ -87,12 +87,10 @@ NOTES = {
     "stream_options.include_usage): its output tokens are the content chunks counted. Its default "
     "repeat_penalty is 1.1; requests send repeat_penalty 1.0, unillm's default.",
     "mlx": "mlx_lm.server batches batchable requests itself (BatchGenerator, --decode-concurrency "
-    "default 32, so all 8 streams share a batch); it takes no ignore_eos, so neither side gets it: "
-    "both decode greedily and stop at the same end-of-sequence tokens, so both run the same "
-    "workload (with ignore_eos on unillm's side only, its requests all ended together and the next "
-    "wave of 8 arrived at once and prefilled as one batch, while mlx_lm.server's ended apart and "
-    "prefilled alone: a TTFT gap that was the workload's). unillm serve runs with batch_size=8 for "
-    "both concurrencies (one server per engine).",
+    "default 32, so all 8 streams share a batch, --prompt-concurrency default 8); it takes no "
+    "ignore_eos, so neither side gets it: both decode greedily and stop at the same end-of-sequence "
+    "tokens, so both run the same workload. unillm serve runs with batch_size=8 for both "
+    "concurrencies (one server per engine) and its default prefill_batch_size (1 on the CPU).",
     "vllm": "both: dtype float32, max_model_len 1024, enforce_eager, 512 MiB KV cache, prefix "
     "caching on (vLLM's default and unillm's), seed 0; both take ignore_eos.",
 }
