@@ -72,9 +72,9 @@ class Batcher(StepWorker):
 
         super().__init__()
         if prefill_batch_size is None:
-            # Prefill is compute-bound on a CPU: eight 48-token prompts prefilled together took
-            # 1.87 s, one alone 0.24 s (the bench model, 2 cores), so together they only make
-            # the first wait for the last. A GPU prefills a batch for little more than one.
+            # Prefill is compute-bound on a CPU: eight prompts of 40-49 tokens prefilled together
+            # took 1.87 s, one of 40 alone 0.22-0.24 s (the bench model, 2 cores), so together
+            # they only make the first wait for the last. On a GPU a batch costs little more.
             on_cpu = mx.default_device().type == mx.DeviceType.cpu
             prefill_batch_size = 1 if on_cpu else min(batch_size, 8)
         self.prefill_batch_size = prefill_batch_size
