@@ -10,7 +10,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+#: the checkout whose unillm the benchmarks measure
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkout_unillm() -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run this checkout's ``unillm`` CLI: ``python -m unillm``
+    with the repository first on ``PYTHONPATH``, whatever checkout an editable install points at
+    (a shared environment's ``unillm`` script runs the last checkout installed into it)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return [sys.executable, "-m", "unillm"], {"PYTHONPATH": path}
+
 
 Contender = Callable[[int], tuple[int, str]]  # tokens wanted -> (tokens produced, text)
 

@@ -42,7 +42,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import ROOT, checkout_unillm
+
 RESULT = ROOT / "benchmarks" / "results" / "crosscheck-guidellm.json"
 SERVED = "tiny-bench"  # the model alias the server is started with and both tools send
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -216,15 +219,16 @@ def run_unillm(
         'mode = "completion"\nstream = true\nwarmup = 0\ntemperature = 0.0\n',
         encoding="utf-8",
     )
-    exe = Path(sys.executable).parent / "unillm"
-    argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "unillm"]
+    argv, env = checkout_unillm()
     argv += [
         "bench", "run", "--url", url + "/v1", "--workload", str(workload), "--model-path", str(hf_dir.parent),
         "--served-model", SERVED, "--engine", "llama-cpp-python server",
         "--engine-version", md.version("llama-cpp-python"), "--out", str(out_dir), "--no-plots",
     ]  # fmt: skip
     t0, c0 = time.perf_counter(), _children_cpu()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=1800, check=False, env={**os.environ, **env}
+    )
     wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
     if proc.returncode != 0:
         raise RuntimeError(f"unillm bench failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")

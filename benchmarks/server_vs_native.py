@@ -65,10 +65,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import machine, tiny_bench_model
+from _common import ROOT, checkout_unillm, machine, tiny_bench_model
 from _http_load import percentile, run_load, summarize
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout whose unillm is measured
 ENGINES = ("llamacpp", "mlx", "vllm")
 ALIAS = "tiny-bench"
 CONTEXT = 1024
@@ -138,18 +137,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def unillm_cli() -> list[str]:
-    """``unillm`` from this checkout: ``python -m unillm`` with the repository first on the path
-    (``start`` sets ``PYTHONPATH``), whatever checkout an editable install points at (a shared
-    environment's ``unillm`` script runs the last checkout installed into it)."""
-    return [sys.executable, "-m", "unillm"]
-
-
 def servers_for(engine: str, model: Any, tmp: Path) -> tuple[Server, Server]:
     """The (unillm, native) pair for ``engine``, with the same settings on both sides."""
     py = sys.executable
     gguf, hf = str(model.gguf_path), str(model.hf_dir)
-    serve = [*unillm_cli(), "serve"]
+    cli = checkout_unillm()[0]
+    serve = [*cli, "serve"]
     common = ["--alias", ALIAS, "--host", "127.0.0.1", "--context", str(CONTEXT)]
     if engine == "llamacpp":
         threads = [f"n_threads={THREADS}", f"n_threads_batch={THREADS}"]
@@ -232,7 +225,7 @@ def start(server: Server, tmp: Path, timeout: float) -> None:
     server.log = tmp / f"{server.label}-{server.port}.log"
     env = {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if server.label == "unillm":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env.update(checkout_unillm()[1])
     t0 = time.perf_counter()
     with open(server.log, "wb") as log:
         server.proc = subprocess.Popen(
