@@ -21,7 +21,9 @@ rounds), TTFT p50/p99 (client-side: request sent -> first content chunk, pooled 
 the ratios unillm / native (throughput: median of the per-round ratios, with their range). Each run
 also records the CPU the rest of the machine used meanwhile (``other_cpu_cores``: all CPUs' busy
 time less this process's and the server's), since the machine may be shared; ``--quiet-wait``
-waits for it to fall before each run.
+waits for it to fall before each run. ``server_main_us_per_token`` is the CPU time of the server's
+main process per output token: for vLLM, whose engine runs in child processes on both sides, that
+is the HTTP front end's cost alone.
 
 Goals (issue): unillm >= 1.0 x native throughput everywhere and TTFT p50 no worse; at concurrency 8,
 MLX through unillm (continuous batching, ``batch_size=8``) >= 3 x mlx_lm.server.
@@ -322,8 +324,12 @@ def load(
         busy, mine = (after[0] - before[0]) / hz, (after[1] - before[1]) / hz
         # Core-seconds the rest of the machine used meanwhile: the busy time of all CPUs less
         # this process's and the server's (a shared machine: other work shows here).
-        out["cpu_s"] = {"machine": round(busy, 2), "bench_and_server": round(mine, 2)}
+        main = (after[2] - before[2]) / hz
+        out["cpu_s"] = {"machine": round(busy, 2), "bench_and_server": round(mine, 2), "server_main": main}
         out["other_cpu_cores"] = round(max(0.0, busy - mine) / wall, 3)
+        # vLLM's engine runs in child processes: its server's main process is the HTTP front end
+        tokens = out["output_tokens"]
+        out["server_main_us_per_token"] = round(1e6 * main / tokens, 1) if tokens else None
     return out
 
 
@@ -341,22 +347,25 @@ def wait_quiet(server: Server, limit_s: float, threshold: float = 0.25) -> float
     return time.perf_counter() - t0
 
 
-def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int] | None:
-    """(busy ticks of all CPUs, ticks of ``pids`` and of the server's process group), from /proc."""
+def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int] | None:
+    """(busy ticks of all CPUs, ticks of ``pids`` and of the server's process group, ticks of the
+    server's main process alone), from /proc."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     except OSError:
         return None
     ticks = [int(x) for x in fields[:8]]
     busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
-    own = 0
+    own = main = 0
     group = server.proc.pid if server.proc else -1
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             rest = stat.read_text().rsplit(")", 1)[1].split()
             if int(stat.parent.name) in pids or int(rest[2]) == group:
-                own += int(rest[11]) + int(rest[12])  # utime + stime, all threads
-    return busy, own
+                used = int(rest[11]) + int(rest[12])  # utime + stime, all threads
+                own += used
+                main += used if int(stat.parent.name) == group else 0
+    return busy, own, main
 
 
 def bench_engine(
@@ -444,6 +453,7 @@ def digest(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "finish_reasons": merge_counts(r["finish"] for r in rounds),
             "load_avg_1m": [round(r["load_avg_1m"], 2) for r in rounds],
             "other_cpu_cores": [r.get("other_cpu_cores") for r in rounds],
+            "server_main_us_per_token": [r.get("server_main_us_per_token") for r in rounds],
             "rounds": [
                 {
                     k: (round(v, 5) if isinstance(v, float) else v)
