@@ -96,9 +96,13 @@ class _PoolCollector:
         return []  # nothing until collected: the families depend on what is loaded
 
     def collect(self) -> Iterator[Any]:
-        running = GaugeMetricFamily("unillm:num_requests_running", "Requests generating now.", labels=_LABELS)
+        running = GaugeMetricFamily(
+            "unillm:num_requests_running",
+            "Requests the engine has (it may queue some itself).",
+            labels=_LABELS,
+        )
         waiting = GaugeMetricFamily(
-            "unillm:num_requests_waiting", "Requests waiting for a slot.", labels=_LABELS
+            "unillm:num_requests_waiting", "Requests waiting in the server's queue.", labels=_LABELS
         )
         loaded = GaugeMetricFamily("unillm:model_loaded", "1 while the model is loaded.", labels=_LABELS)
         usage = GaugeMetricFamily(
