@@ -143,8 +143,7 @@ def servers_for(engine: str, model: Any, tmp: Path) -> tuple[Server, Server]:
     """The (unillm, native) pair for ``engine``, with the same settings on both sides."""
     py = sys.executable
     gguf, hf = str(model.gguf_path), str(model.hf_dir)
-    cli = checkout_unillm()[0]
-    serve = [*cli, "serve"]
+    serve = [*checkout_unillm()[0], "serve"]
     common = ["--alias", ALIAS, "--host", "127.0.0.1", "--context", str(CONTEXT)]
     if engine == "llamacpp":
         threads = [f"n_threads={THREADS}", f"n_threads_batch={THREADS}"]
@@ -325,7 +324,11 @@ def load(
         # Core-seconds the rest of the machine used meanwhile: the busy time of all CPUs less
         # this process's and the server's (a shared machine: other work shows here).
         main = (after[2] - before[2]) / hz
-        out["cpu_s"] = {"machine": round(busy, 2), "bench_and_server": round(mine, 2), "server_main": main}
+        out["cpu_s"] = {
+            "machine": round(busy, 2),
+            "bench_and_server": round(mine, 2),
+            "server_main": round(main, 2),
+        }
         out["other_cpu_cores"] = round(max(0.0, busy - mine) / wall, 3)
         # vLLM's engine runs in child processes: its server's main process is the HTTP front end
         tokens = out["output_tokens"]
@@ -361,10 +364,12 @@ def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int] | None:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             rest = stat.read_text().rsplit(")", 1)[1].split()
-            if int(stat.parent.name) in pids or int(rest[2]) == group:
+            pid = int(stat.parent.name)
+            if pid in pids or int(rest[2]) == group:
                 used = int(rest[11]) + int(rest[12])  # utime + stime, all threads
                 own += used
-                main += used if int(stat.parent.name) == group else 0
+                if pid == group:
+                    main += used
     return busy, own, main
 
 

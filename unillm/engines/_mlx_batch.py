@@ -77,7 +77,6 @@ class Batcher(StepWorker):
             # they only make the first wait for the last. On a GPU a batch costs little more.
             on_cpu = mx.default_device().type == mx.DeviceType.cpu
             prefill_batch_size = 1 if on_cpu else min(batch_size, 8)
-        self.prefill_batch_size = prefill_batch_size
 
         def make() -> Any:
             return BatchGenerator(

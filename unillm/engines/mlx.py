@@ -111,7 +111,8 @@ class MLXOptions(BaseModel):
     def _check(self) -> MLXOptions:
         if (self.prefill_batch_size or 0) > self.batch_size:
             raise ValueError(
-                f"prefill_batch_size={self.prefill_batch_size} exceeds batch_size={self.batch_size}"
+                f"prefill_batch_size={self.prefill_batch_size} exceeds batch_size={self.batch_size}: "
+                "lower it or raise batch_size"
             )
         return spec.check_options(self)  # type: ignore[no-any-return]
 
