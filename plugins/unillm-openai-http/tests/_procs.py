@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from typing import TypeVar
 
 import httpx
 
-__all__ = ["Proc", "free_port", "unillm_serve", "wait_until"]
+__all__ = ["Proc", "free_port", "on_one_cpu", "unillm_serve", "wait_until"]
 
 T = TypeVar("T")
 
@@ -37,6 +38,18 @@ def wait_until(check: Callable[[], T], timeout_s: float, what: str, every_s: flo
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(every_s)
+
+
+def on_one_cpu(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` under ``taskset`` on the last CPU this process may use, children included (as is,
+    where there is no taskset or one CPU). vLLM's CPU build binds its worker to the other cores and
+    its engine core spin-waits for the worker: on 2 cores that starves the HTTP front end beside it,
+    which then answers nothing (tokens, /metrics) until the engine is idle. All on one core, the
+    spinning hands the core over and the front end streams token by token (measured on the tiny
+    model: stalls of about a second per 480-token request before, none after)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    taskset = shutil.which("taskset")
+    return [taskset, "-c", str(cpus[-1]), *cmd] if taskset and len(cpus) > 1 else list(cmd)
 
 
 class Proc:

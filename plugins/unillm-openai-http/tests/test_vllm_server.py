@@ -7,8 +7,9 @@ response_format the server enforces, its errors, ``kv_stats`` from its ``/metric
 concurrent streams and the conformance kit.
 
 The server starts with the settings that make vLLM's CPU build start fast on a small machine:
-eager mode (no torch.compile), the single-process executor (``uni``: no worker process), a 64 MiB
-KV cache (``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE`` would override it, so it is not
+eager mode (no torch.compile), ``uni`` asked for (vLLM's CPU build runs its ``mp`` executor and
+one worker process anyway), all on one core (``on_one_cpu``: split over two, the engine's
+spin-waiting starves the front end, which then streams in one burst at the end), a 64 MiB KV cache (``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE`` would override it, so it is not
 passed on), cached-token counts in usage (``--enable-prompt-tokens-details``) and compact JSON
 under a response_format (free whitespace, which random weights write until max_tokens, off).
 """
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 import httpx
 import pytest
-from _procs import Proc, free_port, wait_until
+from _procs import Proc, free_port, on_one_cpu, wait_until
 from pydantic import BaseModel
 from unillm_openai_http._errors import PromptTooLong, ServedModelNotFound, ServerRefused
 from unillm_openai_http._metrics import kv_from_metrics
@@ -64,7 +65,7 @@ def server(tiny: TinyModel, logs: Path) -> Iterator[Proc]:
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    proc = Proc(cmd, port, logs / "vllm.log", env=env, drop=("VLLM_CPU_KVCACHE_SPACE",))
+    proc = Proc(on_one_cpu(cmd), port, logs / "vllm.log", env=env, drop=("VLLM_CPU_KVCACHE_SPACE",))
     s = proc.wait_ready("/health", timeout_s=900)  # 30-60 s on a quiet machine, minutes under load
     yield s
     s.stop()
@@ -238,19 +239,46 @@ def test_kv_stats_come_from_vllms_metrics(engine: OpenAIHTTPEngine, server: Proc
     assert before.prefix_cache_hits is not None and after.prefix_cache_hits is not None
     assert after.prefix_cache_queries - before.prefix_cache_queries == 600  # counted in tokens
     assert after.prefix_cache_hits - before.prefix_cache_hits == 2 * BLOCK
-    # while a request runs, its blocks are in use (vllm:kv_cache_usage_perc)
-    stream = iter(engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True}))
-    next(stream)
-
-    def in_use() -> KVStats | None:
-        stats = engine.kv_stats()
-        return stats if stats.used_blocks else None
-
-    busy = wait_until(in_use, 30, "a block in use")
-    assert busy is not None and busy.used_blocks is not None
+    # while a request runs, its blocks are in use (vllm:kv_cache_usage_perc); closing its stream
+    # aborts it and frees them
+    busy, tokens = busy_while_streaming(engine)
+    assert busy.used_blocks is not None and busy.used_tokens is not None
     assert busy.used_tokens == busy.used_blocks * BLOCK and busy.used_bytes == busy.used_tokens * 1024
-    stream.close()  # type: ignore[attr-defined]
+    assert tokens < 480  # closed before the end: the blocks below are freed by the abort
     wait_until(lambda: engine.kv_stats().used_blocks == 0, 30, "the aborted request's blocks freed")
+
+
+def busy_while_streaming(engine: OpenAIHTTPEngine, attempts: int = 3) -> tuple[KVStats, int]:
+    """``kv_stats()`` seen with blocks in use while a long stream is read in a thread, and the
+    tokens that thread had when it closed the stream; tried again if the stream ended before a poll
+    saw it (a 480-token request takes about a second here)."""
+    for _ in range(attempts):
+        stop, got = threading.Event(), [0]
+
+        def read() -> None:
+            stream = engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True})
+            try:
+                for chunk in stream:
+                    got[0] += len(chunk.token_ids)
+                    if stop.is_set():
+                        break
+            finally:
+                stream.close()  # type: ignore[attr-defined]
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+
+        def busy_or_ended() -> KVStats | str | None:
+            stats = engine.kv_stats()
+            return stats if stats.used_blocks else (None if reader.is_alive() else "ended")
+
+        seen = wait_until(busy_or_ended, 60, "a block in use or the stream's end", every_s=0.01)
+        stop.set()
+        reader.join(60)
+        assert not reader.is_alive(), "the stream did not close"
+        if isinstance(seen, KVStats):
+            return seen, got[0]
+    raise AssertionError(f"no block in use while any of {attempts} streams of 480 tokens ran")
 
 
 def test_tokenizer_round_trip_is_the_models(engine: OpenAIHTTPEngine, local: Any) -> None:
