@@ -21,9 +21,10 @@ rounds), TTFT p50/p99 (client-side: request sent -> first content chunk, pooled 
 the ratios unillm / native (throughput: median of the per-round ratios, with their range). Each run
 also records the CPU the rest of the machine used meanwhile (``other_cpu_cores``: all CPUs' busy
 time less this process's and the server's), since the machine may be shared; ``--quiet-wait``
-waits for it to fall before each run. ``server_main_us_per_token`` is the CPU time of the server's
-main process per output token: for vLLM, whose engine runs in child processes on both sides, that
-is the HTTP front end's cost alone.
+waits for it to fall before each run. ``--cpus LIST`` runs both servers, children included, on
+those CPUs only (``taskset``); the load generator stays free. ``server_main_us_per_token`` is the
+CPU time of the server's main process per output token: for vLLM, whose engine runs in child
+processes on both sides, that is the HTTP front end's cost alone.
 
 Goals (issue): unillm >= 1.0 x native throughput everywhere and TTFT p50 no worse; at concurrency 8,
 MLX through unillm (continuous batching, ``batch_size=8``) >= 3 x mlx_lm.server.
@@ -32,7 +33,8 @@ MLX through unillm (continuous batching, ``batch_size=8``) >= 3 x mlx_lm.server.
 on one engine (``--guidellm-engine``), with this harness's own run right before and after it.
 
     python benchmarks/server_vs_native.py [--engines llamacpp,mlx,vllm] [--rounds 3]
-        [--requests N] [--concurrency 1,8] [--tokens 128] [--quick] [--json out.json]
+        [--requests N] [--concurrency 1,8] [--tokens 128] [--cpus 1] [--quick]
+        [--json out.json]
         [--guidellm ~/.cache/unillm-bench/guidellm/bin/guidellm --guidellm-json cross.json]
 
 llama_cpp.server needs llama-cpp-python's ``[server]`` extra; without re-building llama-cpp-python:
@@ -51,6 +53,7 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -378,6 +381,9 @@ def bench_engine(
 ) -> dict[str, Any]:
     uni, nat = servers_for(engine, model, tmp)
     pair = [s for s in (uni, nat) if s.label in args.servers]
+    if args.cpus:  # both servers and their children on the same CPUs (taskset), the load generator free
+        for s in pair:
+            s.argv = ["taskset", "-c", args.cpus, *s.argv]
     try:
         for s in pair:  # one at a time: a start under the other's start is slower and noisier
             print(f"[{engine}] starting {s.name}: {shlex.join(s.argv)} --port ...", flush=True)
@@ -741,8 +747,15 @@ def main() -> None:
         help="before each timed run, wait up to this many seconds for the rest of the machine to use "
         "under 0.25 cores (a shared machine); 0: do not wait",
     )
+    ap.add_argument(
+        "--cpus",
+        help="run each server, children included, on these CPUs only (taskset -c LIST, e.g. 1): "
+        "vLLM's CPU build on 2 cores streams in bursts when its front end and worker are split",
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their paths")
     args = ap.parse_args()
+    if args.cpus and not shutil.which("taskset"):
+        ap.error("--cpus needs taskset (util-linux)")
     if args.quick:
         args.rounds, args.requests, args.tokens = 1, 8, 32
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -786,6 +799,7 @@ def main() -> None:
             "rounds": args.rounds,
             "requests_per_round": {str(c): requests_at(args, c) for c in args.concurrency},
             "concurrency": args.concurrency,
+            "server_cpus": args.cpus or "all (not pinned)",
             "context": CONTEXT,
             "interleaving": "per engine both servers stay up; per round and concurrency each server "
             "runs once, the order alternating by round",

@@ -9,9 +9,10 @@ concurrent streams and the conformance kit.
 The server starts with the settings that make vLLM's CPU build start fast on a small machine:
 eager mode (no torch.compile), ``uni`` asked for (vLLM's CPU build runs its ``mp`` executor and
 one worker process anyway), all on one core (``on_one_cpu``: split over two, the engine's
-spin-waiting starves the front end, which then streams in one burst at the end), a 64 MiB KV cache (``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE`` would override it, so it is not
-passed on), cached-token counts in usage (``--enable-prompt-tokens-details``) and compact JSON
-under a response_format (free whitespace, which random weights write until max_tokens, off).
+spin-waiting starves the front end, which then streams in one burst at the end), a 64 MiB KV cache
+(``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE`` would override it, so it is not passed on),
+cached-token counts in usage (``--enable-prompt-tokens-details``) and compact JSON under a
+response_format (free whitespace, which random weights write until max_tokens, off).
 """
 
 from __future__ import annotations
@@ -253,32 +254,38 @@ def busy_while_streaming(engine: OpenAIHTTPEngine, attempts: int = 3) -> tuple[K
     tokens that thread had when it closed the stream; tried again if the stream ended before a poll
     saw it (a 480-token request takes about a second here)."""
     for _ in range(attempts):
-        stop, got = threading.Event(), [0]
-
-        def read() -> None:
-            stream = engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True})
-            try:
-                for chunk in stream:
-                    got[0] += len(chunk.token_ids)
-                    if stop.is_set():
-                        break
-            finally:
-                stream.close()  # type: ignore[attr-defined]
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-
-        def busy_or_ended() -> KVStats | str | None:
-            stats = engine.kv_stats()
-            return stats if stats.used_blocks else (None if reader.is_alive() else "ended")
-
-        seen = wait_until(busy_or_ended, 60, "a block in use or the stream's end", every_s=0.01)
-        stop.set()
-        reader.join(60)
-        assert not reader.is_alive(), "the stream did not close"
-        if isinstance(seen, KVStats):
-            return seen, got[0]
+        seen, tokens = poll_while_streaming(engine)
+        if seen is not None:
+            return seen, tokens
     raise AssertionError(f"no block in use while any of {attempts} streams of 480 tokens ran")
+
+
+def poll_while_streaming(engine: OpenAIHTTPEngine) -> tuple[KVStats | None, int]:
+    """One try of ``busy_while_streaming``: ``(None, tokens)`` when the stream ended first."""
+    stop, got = threading.Event(), [0]
+
+    def read() -> None:
+        stream = engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True})
+        try:
+            for chunk in stream:
+                got[0] += len(chunk.token_ids)
+                if stop.is_set():
+                    break
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def busy_or_ended() -> KVStats | str | None:
+        stats = engine.kv_stats()
+        return stats if stats.used_blocks else (None if reader.is_alive() else "ended")
+
+    seen = wait_until(busy_or_ended, 60, "a block in use or the stream's end", every_s=0.01)
+    stop.set()
+    reader.join(60)
+    assert not reader.is_alive(), "the stream did not close"
+    return (seen if isinstance(seen, KVStats) else None), got[0]
 
 
 def test_tokenizer_round_trip_is_the_models(engine: OpenAIHTTPEngine, local: Any) -> None:
