@@ -22,7 +22,7 @@ the ratios unillm / native (throughput: median of the per-round ratios, with the
 also records the CPU the rest of the machine used meanwhile (``other_cpu_cores``: all CPUs' busy
 time less this process's and the server's), since the machine may be shared; ``--quiet-wait``
 waits for it to fall before each run. ``--cpus LIST`` runs both servers, children included, on
-those CPUs only (``taskset``); the load generator stays free. ``server_main_us_per_token`` is the
+those CPUs only (``taskset``) and the load generator on the others. ``server_main_us_per_token`` is the
 CPU time of the server's main process per output token: for vLLM, whose engine runs in child
 processes on both sides, that is the HTTP front end's cost alone.
 
@@ -716,6 +716,25 @@ def checkout() -> dict[str, Any]:
     }
 
 
+def cpu_list(spec: str) -> set[int]:
+    """taskset's CPU list ("1", "0,2", "2-3") as a set."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_load_generator(server_cpus: str) -> str | None:
+    """Keep this process (the load generator) off the servers' CPUs, on the rest this process may
+    use; None (unpinned) when none are left."""
+    rest = sorted(os.sched_getaffinity(0) - cpu_list(server_cpus))
+    if not rest:
+        return None
+    os.sched_setaffinity(0, rest)
+    return ",".join(map(str, rest))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: llamacpp,mlx,vllm")
@@ -749,13 +768,15 @@ def main() -> None:
     )
     ap.add_argument(
         "--cpus",
-        help="run each server, children included, on these CPUs only (taskset -c LIST, e.g. 1): "
-        "vLLM's CPU build on 2 cores streams in bursts when its front end and worker are split",
+        help="run each server, children included, on these CPUs only (taskset -c LIST, e.g. 1), and "
+        "this load generator on the others: vLLM's CPU build on 2 cores streams in bursts when its "
+        "front end and worker are split",
     )
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their paths")
     args = ap.parse_args()
     if args.cpus and not shutil.which("taskset"):
         ap.error("--cpus needs taskset (util-linux)")
+    loadgen_cpus = pin_load_generator(args.cpus) if args.cpus else None
     if args.quick:
         args.rounds, args.requests, args.tokens = 1, 8, 32
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -800,11 +821,12 @@ def main() -> None:
             "requests_per_round": {str(c): requests_at(args, c) for c in args.concurrency},
             "concurrency": args.concurrency,
             "server_cpus": args.cpus or "all (not pinned)",
+            "load_generator_cpus": loadgen_cpus or "all (not pinned)",
             "context": CONTEXT,
             "interleaving": "per engine both servers stay up; per round and concurrency each server "
             "runs once, the order alternating by round",
             "load_generator": "benchmarks/_http_load.py: httpx.AsyncClient, closed loop, client-side "
-            "perf_counter, on the same 2 cores as the servers",
+            "perf_counter, on the servers' machine (server_cpus, load_generator_cpus)",
             "throughput": "output tokens / wall time of the run; median over rounds; ratio = median "
             "of per-round unillm/native",
             "ttft": "request sent -> first chunk with content, pooled over rounds",
