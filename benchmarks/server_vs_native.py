@@ -381,7 +381,7 @@ def bench_engine(
 ) -> dict[str, Any]:
     uni, nat = servers_for(engine, model, tmp)
     pair = [s for s in (uni, nat) if s.label in args.servers]
-    if args.cpus:  # both servers and their children on the same CPUs (taskset), the load generator free
+    if args.cpus:  # both servers and their children on the same CPUs (taskset)
         for s in pair:
             s.argv = ["taskset", "-c", args.cpus, *s.argv]
     try:
@@ -776,6 +776,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpus and not shutil.which("taskset"):
         ap.error("--cpus needs taskset (util-linux)")
+    try:
+        cpu_list(args.cpus or "0")
+    except ValueError:
+        ap.error(f"--cpus {args.cpus!r}: give a CPU list such as 1, 0,2 or 2-3")
     loadgen_cpus = pin_load_generator(args.cpus) if args.cpus else None
     if args.quick:
         args.rounds, args.requests, args.tokens = 1, 8, 32
