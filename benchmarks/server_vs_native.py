@@ -336,6 +336,12 @@ def load(
         # vLLM's engine runs in child processes: its server's main process is the HTTP front end
         tokens = out["output_tokens"]
         out["server_main_us_per_token"] = round(1e6 * main / tokens, 1) if tokens else None
+        # each of the server's processes by name (vLLM: its engine core and worker beside the main)
+        out["server_procs_us_per_token"] = {
+            name: round(1e6 * (t - before[3].get(name, 0)) / hz / tokens, 1)
+            for name, t in sorted(after[3].items())
+            if tokens
+        }
     return out
 
 
@@ -353,9 +359,9 @@ def wait_quiet(server: Server, limit_s: float, threshold: float = 0.25) -> float
     return time.perf_counter() - t0
 
 
-def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int] | None:
+def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int, dict[str, int]] | None:
     """(busy ticks of all CPUs, ticks of ``pids`` and of the server's process group, ticks of the
-    server's main process alone), from /proc."""
+    server's main process alone, ticks of each process of the group by its name), from /proc."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     except OSError:
@@ -363,17 +369,22 @@ def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int] | None:
     ticks = [int(x) for x in fields[:8]]
     busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
     own = main = 0
+    by_name: dict[str, int] = {}
     group = server.proc.pid if server.proc else -1
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            rest = stat.read_text().rsplit(")", 1)[1].split()
+            text = stat.read_text()
+            name, rest = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
             pid = int(stat.parent.name)
             if pid in pids or int(rest[2]) == group:
                 used = int(rest[11]) + int(rest[12])  # utime + stime, all threads
                 own += used
                 if pid == group:
                     main += used
-    return busy, own, main
+                if int(rest[2]) == group:
+                    key = "main" if pid == group else name
+                    by_name[key] = by_name.get(key, 0) + used
+    return busy, own, main, by_name
 
 
 def bench_engine(
@@ -465,6 +476,7 @@ def digest(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "load_avg_1m": [round(r["load_avg_1m"], 2) for r in rounds],
             "other_cpu_cores": [r.get("other_cpu_cores") for r in rounds],
             "server_main_us_per_token": [r.get("server_main_us_per_token") for r in rounds],
+            "server_procs_us_per_token": [r.get("server_procs_us_per_token") for r in rounds],
             "rounds": [
                 {
                     k: (round(v, 5) if isinstance(v, float) else v)
