@@ -326,7 +326,8 @@ def load(
         busy, mine = (after[0] - before[0]) / hz, (after[1] - before[1]) / hz
         # Core-seconds the rest of the machine used meanwhile: the busy time of all CPUs less
         # this process's and the server's (a shared machine: other work shows here).
-        main = (after[2] - before[2]) / hz
+        procs = {name: (t - before[2].get(name, 0)) / hz for name, t in sorted(after[2].items())}
+        main = procs.get("main", 0.0)
         out["cpu_s"] = {
             "machine": round(busy, 2),
             "bench_and_server": round(mine, 2),
@@ -337,11 +338,9 @@ def load(
         tokens = out["output_tokens"]
         out["server_main_us_per_token"] = round(1e6 * main / tokens, 1) if tokens else None
         # each of the server's processes by name (vLLM: its engine core and worker beside the main)
-        out["server_procs_us_per_token"] = {
-            name: round(1e6 * (t - before[3].get(name, 0)) / hz / tokens, 1)
-            for name, t in sorted(after[3].items())
-            if tokens
-        }
+        out["server_procs_us_per_token"] = (
+            {name: round(1e6 * cpu / tokens, 1) for name, cpu in procs.items()} if tokens else None
+        )
     return out
 
 
@@ -359,16 +358,16 @@ def wait_quiet(server: Server, limit_s: float, threshold: float = 0.25) -> float
     return time.perf_counter() - t0
 
 
-def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int, dict[str, int]] | None:
-    """(busy ticks of all CPUs, ticks of ``pids`` and of the server's process group, ticks of the
-    server's main process alone, ticks of each process of the group by its name), from /proc."""
+def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, dict[str, int]] | None:
+    """(busy ticks of all CPUs, ticks of ``pids`` and of the server's process group, ticks of each
+    process of the group by its name, the server's own process as "main"), from /proc."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     except OSError:
         return None
     ticks = [int(x) for x in fields[:8]]
     busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
-    own = main = 0
+    own = 0
     by_name: dict[str, int] = {}
     group = server.proc.pid if server.proc else -1
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -379,12 +378,10 @@ def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, int, dict[str, 
             if pid in pids or int(rest[2]) == group:
                 used = int(rest[11]) + int(rest[12])  # utime + stime, all threads
                 own += used
-                if pid == group:
-                    main += used
                 if int(rest[2]) == group:
                     key = "main" if pid == group else name
                     by_name[key] = by_name.get(key, 0) + used
-    return busy, own, main, by_name
+    return busy, own, by_name
 
 
 def bench_engine(
