@@ -26,6 +26,10 @@ those CPUs only (``taskset``) and the load generator on the others. ``server_mai
 CPU time of the server's main process per output token: for vLLM, whose engine runs in child
 processes on both sides, that is the HTTP front end's cost alone.
 
+``--control native`` (or ``unillm``) is the A/A check of the harness itself: a second copy of that
+server, labelled "control", takes unillm's place, so the ratio (control / native, or control /
+unillm) shows how far two starts of one and the same server fall apart under this workload.
+
 Goals (issue): unillm >= 1.0 x native throughput everywhere and TTFT p50 no worse; at concurrency 8,
 MLX through unillm (continuous batching, ``batch_size=8``) >= 3 x mlx_lm.server.
 
@@ -119,7 +123,7 @@ GUIDELLM_DEFINITIONS = {
 class Server:
     """One HTTP server process: how to start it, how to tell it is ready, what requests it gets."""
 
-    label: str  # "unillm" or "native"
+    label: str  # "unillm", "native", or "control" (a second copy of one of them: --control)
     name: str
     argv: list[str]
     ready_path: str
@@ -389,11 +393,16 @@ def bench_engine(
 ) -> dict[str, Any]:
     uni, nat = servers_for(engine, model, tmp)
     pair = [s for s in (uni, nat) if s.label in args.servers]
+    if args.control:  # A/A: a second copy of one server in unillm's place
+        copied = uni if args.control == "unillm" else nat
+        pair = [control_copy(copied), copied]
+        uni = pair[0]
     if args.cpus:  # both servers and their children on the same CPUs (taskset)
         for s in pair:
             s.argv = ["taskset", "-c", args.cpus, *s.argv]
     try:
-        for s in pair:  # one at a time: a start under the other's start is slower and noisier
+        # one at a time: a start under the other's start is slower and noisier
+        for s in pair[::-1] if args.start_second_first else pair:
             print(f"[{engine}] starting {s.name}: {shlex.join(s.argv)} --port ...", flush=True)
             start(s, tmp, args.startup_timeout)
             print(f"[{engine}] {s.name} ready in {s.startup_s:.1f} s on port {s.port}", flush=True)
@@ -444,12 +453,31 @@ def bench_engine(
                 print(f"[{engine}] {s.name} log: {s.log}")
 
 
+def pair_names(args: argparse.Namespace) -> tuple[str, str]:
+    """The labels of the two servers, in the order of the ratio (first / second)."""
+    return ("control", args.control) if args.control else ("unillm", "native")
+
+
+def control_copy(server: Server) -> Server:
+    """A second, identical server of ``server``'s kind, labelled "control"."""
+    return Server(
+        "control",
+        f"{server.name} (control copy)",
+        list(server.argv),
+        server.ready_path,
+        server.model,
+        dict(server.extra),
+        dict(server.env),
+    )
+
+
 def requests_at(args: argparse.Namespace, concurrency: int) -> int:
     return int(args.requests or max(8, 2 * concurrency))
 
 
 def digest(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per server: medians over rounds and pooled latencies; then unillm / native."""
+    """Per server: medians over rounds and pooled latencies; then the first server's over the
+    second's (unillm / native, or control / its original)."""
     out: dict[str, Any] = {}
     for label, rounds in runs.items():
         ttft = [t for r in rounds for t in r["ttft_s"]]
@@ -485,7 +513,8 @@ def digest(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
     if len(runs) < 2:
         return out
-    u, n = runs["unillm"], runs["native"]
+    first, second = list(runs)[:2]
+    u, n = runs[first], runs[second]
     tput = sorted(
         a["output_tok_s"] / b["output_tok_s"] for a, b in zip(u, n, strict=True) if b["output_tok_s"]
     )
@@ -496,7 +525,7 @@ def digest(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         agree(x, y) for a, b in zip(u, n, strict=True) for x, y in zip(a["texts"], b["texts"], strict=False)
     )
     total = sum(min(len(a["texts"]), len(b["texts"])) for a, b in zip(u, n, strict=True))
-    un, nn = out["unillm"], out["native"]
+    un, nn = out[first], out[second]
     out["ratio"] = {
         "output_tok_s": statistics.median(tput) if tput else None,
         "output_tok_s_range": [tput[0], tput[-1]] if tput else None,
@@ -669,7 +698,7 @@ def goals(results: dict[str, Any]) -> dict[str, bool | None]:
     out: dict[str, bool | None] = {}
     for engine, res in results.items():
         for c, d in res["concurrency"].items():
-            if "ratio" not in d:
+            if "ratio" not in d or "control" in d:
                 continue
             r = d["ratio"]
             out[f"{engine} c={c}: unillm >= 1.0 x native output tok/s"] = (
@@ -679,7 +708,7 @@ def goals(results: dict[str, Any]) -> dict[str, bool | None]:
                 None if r["ttft_p50"] is None else r["ttft_p50"] <= 1.0
             )
     mlx8 = results.get("mlx", {}).get("concurrency", {}).get("8")
-    if mlx8 and "ratio" in mlx8:
+    if mlx8 and "ratio" in mlx8 and "control" not in mlx8:
         out["mlx c=8: unillm (batch_size=8) >= 3 x mlx_lm.server output tok/s"] = (
             None if mlx8["ratio"]["output_tok_s"] is None else mlx8["ratio"]["output_tok_s"] >= 3.0
         )
@@ -689,10 +718,10 @@ def goals(results: dict[str, Any]) -> dict[str, bool | None]:
 def print_table(results: dict[str, Any]) -> None:
     head = f"{'engine':8s} {'c':>2s} {'server':32s} {'tok/s':>8s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>9s}"
     head += f" {'tok/req':>8s}"
-    print("\n" + head + "   unillm/native: tok/s (range)   TTFT p50  p99")
+    print("\n" + head + "   first/second: tok/s (range)   TTFT p50  p99")
     for engine, res in results.items():
         for c, d in res["concurrency"].items():
-            for label in [k for k in ("unillm", "native") if k in d]:
+            for label in [k for k in res["servers"] if k in d]:
                 s = d[label]
                 lo, hi = s["output_tokens_per_request"]
                 ms = lambda x: f"{x * 1000:7.1f}ms" if x is not None else "      -  "  # noqa: E731
@@ -700,7 +729,7 @@ def print_table(results: dict[str, Any]) -> None:
                     f"{engine:8s} {c:>2s} {res['servers'][label]['name']:32s} {s['output_tok_s']:8.1f} "
                     f"{s['requests_s']:6.2f} {ms(s['ttft_p50_s'])} {ms(s['ttft_p99_s'])} {f'{lo}-{hi}':>8s}"
                 )
-                if label == "unillm" and "ratio" in d:
+                if label == next(iter(res["servers"])) and "ratio" in d:
                     r = d["ratio"]
                     rng = r["output_tok_s_range"] or [0, 0]
                     ratio = lambda x: f"{x:.2f}x" if x is not None else "-"  # noqa: E731
@@ -781,6 +810,16 @@ def main() -> None:
         "this load generator on the others: vLLM's CPU build on 2 cores streams in bursts when its "
         "front end and worker are split",
     )
+    ap.add_argument(
+        "--control",
+        choices=("native", "unillm"),
+        help="A/A check: a second copy of this server in unillm's place (ratio: copy / original)",
+    )
+    ap.add_argument(
+        "--start-second-first",
+        action="store_true",
+        help="start the native server (or with --control, the original) before the other one",
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their paths")
     args = ap.parse_args()
     if args.cpus and not shutil.which("taskset"):
@@ -834,6 +873,8 @@ def main() -> None:
             "requests_per_round": {str(c): requests_at(args, c) for c in args.concurrency},
             "concurrency": args.concurrency,
             "server_cpus": args.cpus or "all (not pinned)",
+            "started_first": pair_names(args)[1 if args.start_second_first else 0],
+            "control": f"A/A: a second {args.control} server in unillm's place" if args.control else None,
             "load_generator_cpus": loadgen_cpus or "all (not pinned)",
             "context": CONTEXT,
             "interleaving": "per engine both servers stay up; per round and concurrency each server "
