@@ -396,13 +396,13 @@ def bench_engine(
     if args.control:  # A/A: a second copy of one server in unillm's place
         copied = uni if args.control == "unillm" else nat
         pair = [control_copy(copied), copied]
-        uni = pair[0]
+    starts = pair[::-1] if args.start_second_first else pair
     if args.cpus:  # both servers and their children on the same CPUs (taskset)
         for s in pair:
             s.argv = ["taskset", "-c", args.cpus, *s.argv]
     try:
         # one at a time: a start under the other's start is slower and noisier
-        for s in pair[::-1] if args.start_second_first else pair:
+        for s in starts:
             print(f"[{engine}] starting {s.name}: {shlex.join(s.argv)} --port ...", flush=True)
             start(s, tmp, args.startup_timeout)
             print(f"[{engine}] {s.name} ready in {s.startup_s:.1f} s on port {s.port}", flush=True)
@@ -440,9 +440,10 @@ def bench_engine(
                 for s in pair
             },
             "note": NOTES[engine],
+            "started_first": starts[0].label,
             "concurrency": {str(c): digest(runs[c]) for c in args.concurrency},
         }
-        if guidellm is not None and uni in pair:
+        if guidellm is not None and uni in pair:  # (under --control native it is not)
             result["guidellm"] = cross_check(uni, args, guidellm, tmp)
         return result
     finally:
@@ -451,11 +452,6 @@ def bench_engine(
         for s in pair:
             if s.log is not None and args.keep_logs:
                 print(f"[{engine}] {s.name} log: {s.log}")
-
-
-def pair_names(args: argparse.Namespace) -> tuple[str, str]:
-    """The labels of the two servers, in the order of the ratio (first / second)."""
-    return ("control", args.control) if args.control else ("unillm", "native")
 
 
 def control_copy(server: Server) -> Server:
@@ -822,6 +818,8 @@ def main() -> None:
     )
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and print their paths")
     args = ap.parse_args()
+    if args.control and args.servers != "unillm,native":
+        ap.error("--control runs its own pair of servers; leave --servers out")
     if args.cpus and not shutil.which("taskset"):
         ap.error("--cpus needs taskset (util-linux)")
     try:
@@ -873,7 +871,6 @@ def main() -> None:
             "requests_per_round": {str(c): requests_at(args, c) for c in args.concurrency},
             "concurrency": args.concurrency,
             "server_cpus": args.cpus or "all (not pinned)",
-            "started_first": pair_names(args)[1 if args.start_second_first else 0],
             "control": f"A/A: a second {args.control} server in unillm's place" if args.control else None,
             "load_generator_cpus": loadgen_cpus or "all (not pinned)",
             "context": CONTEXT,
