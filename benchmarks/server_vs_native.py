@@ -376,13 +376,13 @@ def cpu_ticks(server: Server, pids: set[int]) -> tuple[int, int, dict[str, int]]
     group = server.proc.pid if server.proc else -1
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            text = stat.read_text()
-            name, rest = text.split("(", 1)[1].rsplit(")", 1)[0], text.rsplit(")", 1)[1].split()
-            pid = int(stat.parent.name)
-            if pid in pids or int(rest[2]) == group:
+            head, _, tail = stat.read_text().rpartition(")")
+            name, rest = head.partition("(")[2], tail.split()
+            pid, in_group = int(stat.parent.name), int(rest[2]) == group
+            if pid in pids or in_group:
                 used = int(rest[11]) + int(rest[12])  # utime + stime, all threads
                 own += used
-                if int(rest[2]) == group:
+                if in_group:
                     key = "main" if pid == group else name
                     by_name[key] = by_name.get(key, 0) + used
     return busy, own, by_name

@@ -248,14 +248,17 @@ def test_kv_stats_come_from_vllms_metrics(engine: OpenAIHTTPEngine, server: Proc
     wait_until(lambda: engine.kv_stats().used_blocks == 0, 30, "the aborted request's blocks freed")
 
 
+LONG = 480  # tokens of the stream the KV check reads: about a second here
+
+
 def busy_while_streaming(engine: OpenAIHTTPEngine, attempts: int = 3) -> KVStats:
     """``kv_stats()`` seen with blocks in use while a long stream is read in a thread, which then
     closes the stream before its end (aborting the request); tried again if the stream ended first
-    (a 480-token request takes about a second here)."""
+    (a request of ``LONG`` tokens)."""
     for _ in range(attempts):
         if (seen := poll_while_streaming(engine)) is not None:
             return seen
-    raise AssertionError(f"no block in use while any of {attempts} streams of 480 tokens ran")
+    raise AssertionError(f"no block in use while any of {attempts} streams of {LONG} tokens ran")
 
 
 def poll_while_streaming(engine: OpenAIHTTPEngine) -> KVStats | None:
@@ -264,7 +267,7 @@ def poll_while_streaming(engine: OpenAIHTTPEngine) -> KVStats | None:
     stop, got = threading.Event(), [0]
 
     def read() -> None:
-        stream = engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": 480, "ignore_eos": True})
+        stream = engine.stream(PROMPTS[0], {"temperature": 0.0, "max_tokens": LONG, "ignore_eos": True})
         try:
             for chunk in stream:
                 got[0] += len(chunk.token_ids)
@@ -284,7 +287,7 @@ def poll_while_streaming(engine: OpenAIHTTPEngine) -> KVStats | None:
     stop.set()
     reader.join(60)
     assert not reader.is_alive(), "the stream did not close"
-    return seen if isinstance(seen, KVStats) and got[0] < 480 else None
+    return seen if isinstance(seen, KVStats) and got[0] < LONG else None
 
 
 def test_tokenizer_round_trip_is_the_models(engine: OpenAIHTTPEngine, local: Any) -> None:
