@@ -4,15 +4,15 @@
 #   UNILLM_VENV   where the environment lives (default: .venv in the checkout)
 #   PYTHON        the interpreter to build it from (default: python3, >= 3.10)
 #
-# The environment is keyed by a hash of the dependency specification: when pyproject.toml or
-# this script change, it is rebuilt from scratch. llama-cpp-python compiles from source (tens of
+# The environment is keyed by a hash of the dependency specification (scripts/deps_hash.sh): when
+# the dependencies in pyproject.toml or this script change, it is rebuilt from scratch. llama-cpp-python compiles from source (tens of
 # minutes on 2 cores); pip keeps the built wheel in its cache, so a rebuild reuses it in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${UNILLM_VENV:-.venv}"
 PY="${PYTHON:-python3}"
-spec_hash=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+spec_hash=$(PYTHON="$PY" scripts/deps_hash.sh)
 stamp="$VENV/.unillm-deps-$spec_hash"
 
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ]; then

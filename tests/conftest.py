@@ -47,3 +47,29 @@ def converter_python() -> str:
     proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, f"scripts/converters.sh failed:\n{proc.stderr[-4000:]}"
     return proc.stdout.strip().splitlines()[-1]
+
+
+# ---- where the time goes: seconds per test module at the end of every run ----
+
+_MODULE_SECONDS: dict[str, float] = {}
+_MODULE_TESTS: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _MODULE_TESTS[module] = _MODULE_TESTS.get(module, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Seconds per module (setup, call and teardown of its tests; a module-scoped fixture counts
+    where it is set up), beside pytest's --durations list of the slowest single phases."""
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.write_sep("=", f"time per module ({total / 60:.1f} min in tests)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1.0:
+            tests = _MODULE_TESTS.get(module, 0)
+            terminalreporter.write_line(f"{seconds:8.1f} s  {tests:5d} tests  {module}")
