@@ -120,14 +120,17 @@ L_CASES = [
     ),
     (
         "close-while-streaming-other-thread",
-        "e = L(); got = []\n"
+        "e = L(); got = []; streaming = threading.Event()\n"
         "def run():\n"
         "    try:\n"
-        "        got.extend(e.stream('hi', max_tokens=400, ignore_eos=True))\n"
+        "        for piece in e.stream('hi', max_tokens=400, ignore_eos=True):\n"
+        "            got.append(piece); streaming.set()\n"
         "    except EngineClosed:\n"
         "        got.append('closed')\n"
+        "    finally:\n"
+        "        streaming.set()\n"
         "t = threading.Thread(target=run); t.start()\n"
-        "import time; time.sleep(0.05); e.close(); t.join(); result = got[-1]",
+        "streaming.wait(); e.close(); t.join(); result = got[-1]",  # closed mid-stream
         "ok",
     ),
     (

@@ -98,12 +98,14 @@ def test_async_cancellation_stops_generation_and_frees_the_engine() -> None:
     e = MockEngine(slow).load()
 
     async def main() -> None:
+        streaming = asyncio.Event()
+
         async def consume() -> None:
             async for _ in e.astream("q", max_tokens=1000):
-                pass
+                streaming.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(streaming.wait(), 60)  # cancelled mid-stream, once tokens come
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -3,6 +3,7 @@ outputs, the bandwidth tables, and the hardware profiles the selector tests plan
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -10,7 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,6 @@ PROFILES = Path(__file__).parent / "profiles"
 PROFILE_NAMES = sorted(p.stem for p in PROFILES.glob("*.json"))
 GIB = 2**30
 MIB = 2**20
-SLEEP = shutil.which("sleep") or "/bin/sleep"
 CAT = shutil.which("cat") or "/bin/cat"
 posix_only = pytest.mark.skipif(os.name != "posix", reason="fake tools are shell scripts")
 
@@ -147,14 +147,59 @@ def fake_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+HANG_S = 60  # how long a test waits for a detection whose probe hangs: only a broken bound gets there
+
+
+def _detect_while_hung(timeout: float) -> Hardware:
+    """``detect_hardware(timeout=timeout)`` while a fake probe hangs until the test releases it,
+    which it does only after this returns: detection must come back on its own. It runs in a thread
+    so that one that waits for the probe fails here (after HANG_S) instead of hanging the test."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["hw"] = detect_hardware(timeout=timeout)
+        except BaseException as exc:
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="detect-hardware", daemon=True)
+    worker.start()
+    worker.join(HANG_S)
+    assert not worker.is_alive(), f"detect_hardware(timeout={timeout}) waited for the hung probe"
+    if "error" in box:
+        raise box["error"]
+    hw: Hardware = box["hw"]
+    return hw
+
+
+def _release(fifo: Path) -> bool:
+    """Open ``fifo`` for writing and close it: a process blocked reading it reads its end and goes
+    on. Whether one was (a reader waiting to open it counts)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # no reader
+            return False
+        raise
+    os.close(fd)
+    return True
+
+
 @posix_only
 @pytest.mark.usefixtures("no_pynvml")
-def test_a_hanging_nvidia_smi_costs_one_timeout(fake_path: Path) -> None:
-    # The child `sleep` keeps the pipe open after the shell is killed: the whole group must go.
-    fake_tool(fake_path, "nvidia-smi", f"{SLEEP} 30\necho late")
-    start = time.monotonic()
-    hw = detect_hardware(timeout=0.5)
-    assert time.monotonic() - start < 3
+def test_a_hanging_nvidia_smi_costs_one_timeout(fake_path: Path, tmp_path: Path) -> None:
+    # The fake's child (`cat` of a FIFO no one writes to until the end) hangs, and keeps the pipe
+    # open after the shell is killed: the whole group must go. (`echo late` keeps `sh` from
+    # exec'ing `cat` in its place.)
+    fifo, runs = tmp_path / "hang", tmp_path / "runs"
+    os.mkfifo(fifo)
+    fake_tool(fake_path, "nvidia-smi", f'echo run >> "{runs}"\n{CAT} "{fifo}"\necho late')
+    try:
+        hw = _detect_while_hung(timeout=0.5)  # back while the fake still hangs
+    finally:
+        survivor = _release(fifo)  # wakes the fake's child, if it outlived the kill
+    assert not survivor, "nvidia-smi's child outlived the timeout: its process group was not killed"
+    assert runs.read_text().splitlines() == ["run"]  # one timeout: not asked again without compute_cap
     assert hw.gpus == ()
     assert any("did not answer within 0.5 s" in f for f in hw.findings)
 
@@ -332,12 +377,22 @@ def test_nvlink_from_link_remote_ends_and_nvswitch(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.usefixtures("fake_path")
 def test_a_hanging_nvml_costs_one_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(1, init=lambda: time.sleep(30)))
-    start = time.monotonic()
-    hw = detect_hardware(timeout=0.3)
-    assert time.monotonic() - start < 3
+    release, inits = threading.Event(), []
+
+    def hang() -> None:  # nvmlInit on a stuck driver: returns only once the test is done
+        inits.append(1)
+        release.wait()
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(1, init=hang))
+    try:
+        hw = _detect_while_hung(timeout=0.3)  # back while nvmlInit still hangs
+    finally:
+        release.set()
+    assert inits == [1]  # one timeout: NVML is not tried again
     assert hw.gpus == ()
-    assert any("NVML did not answer" in f for f in hw.findings)
+    assert [f for f in hw.findings if "NVML did not answer" in f] == [
+        "NVML did not answer within 0.3 s (a stuck driver?)"
+    ]
 
 
 @pytest.mark.usefixtures("fake_path")

@@ -9,8 +9,9 @@ import os
 import shutil
 import struct
 import threading
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
 from typing import Any
 
@@ -255,20 +256,79 @@ def _strings(items: list[bytes]) -> bytes:
     return struct.pack("<IQ", 8, len(items)) + b"".join(struct.pack("<Q", len(s)) + s for s in items)
 
 
-def test_many_small_arrays_cost_little_per_byte(tmp_path: Path) -> None:
-    """8,192 keys of 4,096-item arrays (32 MiB of header): once ~1 us a byte (half a minute)."""
+@dataclass
+class Work:
+    """What header reads did, counted rather than timed: read calls on the file and the bytes they
+    returned, bytes parsed into values (``_Reader.take``, ``unpack``; a skip parses none) and strings
+    walked over by their length prefixes (``_Reader.skip_strings``)."""
+
+    reads: int = 0
+    read: int = 0
+    parsed: int = 0
+    walked: int = 0
+
+    def reset(self) -> None:
+        self.reads = self.read = self.parsed = self.walked = 0
+
+
+@pytest.fixture
+def work(monkeypatch: pytest.MonkeyPatch) -> Work:
+    """The ``Work`` of every header read in the test (counters wrapped around the real code)."""
+    w = Work()
+
+    class Counted(FileIO):
+        def read(self, size: int | None = -1, /) -> bytes:
+            data = super().read(size) or b""
+            w.reads, w.read = w.reads + 1, w.read + len(data)
+            return data
+
+        def readinto(self, buffer: Any, /) -> int:
+            got = super().readinto(buffer) or 0
+            w.reads, w.read = w.reads + 1, w.read + got
+            return got
+
+    reader = _inspect._gguf_reader._Reader
+    take, unpack, skip_strings = reader.take, reader.unpack, reader.skip_strings
+
+    def counted_take(self: Any, n: int) -> bytes:
+        w.parsed += n
+        return take(self, n)
+
+    def counted_unpack(self: Any, s: struct.Struct) -> tuple[Any, ...]:
+        w.parsed += s.size
+        return unpack(self, s)
+
+    def counted_skip_strings(self: Any, n: int) -> None:
+        w.walked += n
+        skip_strings(self, n)
+
+    monkeypatch.setattr(_inspect._files, "FileIO", Counted)  # what _open wraps each file in
+    monkeypatch.setattr(reader, "take", counted_take)
+    monkeypatch.setattr(reader, "unpack", counted_unpack)
+    monkeypatch.setattr(reader, "skip_strings", counted_skip_strings)
+    return w
+
+
+def test_many_small_arrays_cost_little_per_byte(tmp_path: Path, work: Work) -> None:
+    """8,192 keys of 4,096-item arrays (32 MiB of header): once ~1 us a byte (half a minute), each
+    item parsed. Now the file is read once, in blocks, and only the 65,536 items kept and the keys
+    are parsed: the rest is skipped, not read item by item."""
     array = struct.pack("<IQ", 0, 4096) + bytes(4096)  # uint8 items, each kept if small
     path = tmp_path / "arrays.gguf"
     path.write_bytes(_gguf([_kv(f"k.{i}", 9, array) for i in range(8192)]))
-    t0 = time.perf_counter()
+    size = path.stat().st_size
     h = read_gguf_header(path)
-    assert time.perf_counter() - t0 < 1.0
+    # each byte read at most once, in blocks of 64 KiB or more (not a read per key or per array)
+    assert work.read <= size and work.reads <= size // (1 << 16) + 1, work
+    assert work.parsed < 512 << 10, work  # 64 KiB of items and the keys, of 32 MiB
     assert len(h.array_lengths) == 8192
     kept = [v for v in h.metadata.values() if v is not None]
     assert len(kept) == 16 and kept[0] == [0] * 4096  # 65,536 items kept in all, then lengths only
 
 
-def test_implausible_counts_are_refused_before_any_work(tmp_path: Path) -> None:
+def test_implausible_counts_are_refused_before_any_work(tmp_path: Path, work: Work) -> None:
+    """Each refused where the count or length is read: the first block read (64 KiB, of files of up
+    to 16 MiB) and a few fields parsed, never the keys, strings or bytes the header claims."""
     path = tmp_path / "m.gguf"
     cases: dict[str, tuple[bytes, str]] = {
         "keys over the cap": (
@@ -307,21 +367,24 @@ def test_implausible_counts_are_refused_before_any_work(tmp_path: Path) -> None:
     }
     for label, (data, why) in cases.items():
         path.write_bytes(data)
-        t0 = time.perf_counter()
+        work.reset()
         with pytest.raises(ModelFormatError, match=f"{why}.*corrupt or hostile"):
             read_gguf_header(path)
-        assert time.perf_counter() - t0 < 0.5, label
+        assert work.read <= 1 << 16 and work.parsed <= 128 and work.walked == 0, (label, work)
 
 
-def test_every_string_of_every_array_counts_against_one_cap(tmp_path: Path) -> None:
+def test_every_string_of_every_array_counts_against_one_cap(tmp_path: Path, work: Work) -> None:
     # 3 arrays of 1M empty strings: each under the per-array cap, together over the total
     run = struct.pack("<IQ", 8, 1 << 20) + bytes(8 << 20)
     path = tmp_path / "m.gguf"
     path.write_bytes(_gguf([_kv(f"t{i}", 9, run) for i in range(3)]))
-    t0 = time.perf_counter()
     with pytest.raises(ModelFormatError, match="more than 2097152 strings"):
         read_gguf_header(path)
-    assert time.perf_counter() - t0 < 2.0
+    # the first two arrays walked, the third refused at its count: of it at most the block read
+    # ahead (up to 4 MiB) is read; the walk reads in blocks, not a read per string
+    assert work.walked == 2 << 20, work
+    third = path.stat().st_size - (8 << 20)  # where the third array's strings start
+    assert work.read <= third + (4 << 20) and work.reads <= 16, work
 
 
 @pytest.mark.parametrize("block", [8, 13, 64, 1 << 10])
@@ -441,14 +504,21 @@ def test_a_string_holding_the_keys_bytes_is_not_taken_for_it(tmp_path: Path) -> 
     assert lazy.metadata["general.file_type"] == 7 and lazy.parameters == read_gguf_header(path).parameters
 
 
-def test_a_lazy_read_gives_up_after_a_few_false_keys(tmp_path: Path) -> None:
+def test_a_lazy_read_gives_up_after_a_few_false_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A vocabulary of 5,000 copies of the key's bytes: eight are tried, then the read stops."""
     path = tmp_path / "m.gguf"
     vocab = _kv("tokenizer.ggml.tokens", 9, _strings([b"general.file_type"] * 5000))
     path.write_bytes(_model([*ARCH, vocab, _u32("general.file_type", 7)], SHAPES))
-    t0 = time.perf_counter()
+    tried: list[int] = []  # where the tail was looked for
+    tail_at = _inspect._gguf_lazy._tail_at
+
+    def counted(r: Any, at: int, *args: Any) -> Any:
+        tried.append(at)
+        return tail_at(r, at, *args)
+
+    monkeypatch.setattr(_inspect._gguf_lazy, "_tail_at", counted)
     lazy = read_gguf_header(path, lazy=True)
-    assert time.perf_counter() - t0 < 0.5
+    assert len(tried) == _inspect._gguf_lazy._TAIL_CANDIDATES == 8  # of the 5,001 places with the bytes
     assert lazy.unread is not None and lazy.unread[1] is None
     info = inspect_model(path)  # no file type seen: read whole
     assert info.quantization == "Q8_0" and info.estimated == () and info.parameters == 64 * 8 + 64

@@ -24,7 +24,7 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not HAS[b], reason=f"{b} no
 FAKE_EXLLAMAV2 = Path(__file__).resolve().parent / "fake_exllamav2"
 
 _OPEN = """
-import gc, json, os, sys, threading, time
+import gc, json, os, sys, threading
 from unillm import EngineClosed
 
 def open_engine():
@@ -54,16 +54,19 @@ for _ in range(50):
         outcomes["same"].append("closed")
     e = open_engine()
     got = []
+    streaming = threading.Event()
     def run():
         try:
             for c in e.stream("Hello", max_tokens=400, temperature=0, ignore_eos=True):
                 got.append(c)
+                streaming.set()
         except EngineClosed:
             got.append("closed")
+        finally:
+            streaming.set()
     t = threading.Thread(target=run)
     t.start()
-    while not got:
-        time.sleep(0.001)
+    streaming.wait()  # the first token is out: closed mid-stream
     e.close()
     t.join(60)
     outcomes["other"].append("closed" if got[-1] == "closed" else got[-1].finish_reason)

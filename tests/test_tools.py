@@ -10,9 +10,11 @@ these tests give the engines a variant with a Hermes-style tools block (``HERMES
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import time
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 
-from unillm import ConfigError, InvalidTools, ToolCall, ToolCallParseError, UnsupportedParameter
+from unillm import ConfigError, InvalidTools, ToolCall, ToolCallParseError, UnsupportedParameter, _tools
 from unillm._tools import parse_tool_calls, read_tools
 from unillm._types import Capabilities, ChatMessage, SamplingParams
 from unillm.testing import MockEngine, TinyModel
@@ -197,25 +199,90 @@ _PIECES = st.sampled_from(
 )
 
 
+@dataclass
+class Scans:
+    """The scans the parser makes over its text, counted rather than timed: each JSON decode
+    (``_DECODER.raw_decode``) and each pass of the Hermes pattern, the characters each could look
+    at (a decode, what it read, or all the rest of its text when it fails; a pass, its whole text),
+    and the characters the pattern's matches span."""
+
+    passes: int = 0
+    chars: int = 0
+    matched: int = 0
+
+
+#: how many times over the parser's scans may cover its text: the Hermes pass, the tags' bodies and
+#: the ``sub``, the text after ``[TOOL_CALLS]``, the whole text as JSON, and the arguments given as
+#: strings in each of the three readings, cover it once each (seven in all; a scan per tag or per
+#: nesting level would cover it as many times as there are tags, quadratic)
+_SCANS_PER_CHAR = 8
+
+
+@contextlib.contextmanager
+def counting_scans() -> Iterator[Scans]:
+    """The ``Scans`` of the parser inside the block (the real decoder and pattern, wrapped)."""
+    scans = Scans()
+    decoder, hermes = _tools._DECODER, _tools._HERMES
+
+    class Decoder:
+        def raw_decode(self, text: str, at: int = 0) -> tuple[Any, int]:
+            scans.passes += 1
+            try:
+                value, end = decoder.raw_decode(text, at)
+            except BaseException:  # ValueError, or RecursionError on deep nesting
+                scans.chars += len(text) - at
+                raise
+            scans.chars += end - at
+            return value, end
+
+    class Hermes:
+        def finditer(self, text: str) -> Iterator[re.Match[str]]:
+            scans.passes, scans.chars = scans.passes + 1, scans.chars + len(text)
+            for match in hermes.finditer(text):
+                scans.matched += match.end() - match.start()
+                yield match
+
+        def sub(self, repl: str, text: str) -> str:
+            scans.passes, scans.chars = scans.passes + 1, scans.chars + len(text)
+            return hermes.sub(repl, text)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_tools, "_DECODER", Decoder())
+        mp.setattr(_tools, "_HERMES", Hermes())
+        yield scans
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(_PIECES, st.text(max_size=8)), max_size=40), st.booleans())
 def test_the_parser_never_raises_but_its_own_error(pieces: list[str], forced: bool) -> None:
     text = "".join(pieces)
-    t0 = time.perf_counter()
-    try:
-        content, calls = parse_tool_calls(text, NAMES, forced=forced)
-    except ToolCallParseError as exc:
-        assert forced and exc.raw == text
-    else:
-        assert isinstance(content, str) and all(c.name in NAMES for c in calls)
-    assert time.perf_counter() - t0 < 1.0
+    with counting_scans() as scans:
+        try:
+            content, calls = parse_tool_calls(text, NAMES, forced=forced)
+        except ToolCallParseError as exc:
+            assert forced and exc.raw == text
+        else:
+            assert isinstance(content, str) and all(c.name in NAMES for c in calls)
+    assert scans.chars <= _SCANS_PER_CHAR * len(text), scans
 
 
 def test_the_parser_is_linear_on_hostile_text() -> None:
-    for text in ("<tool_call>" * 50_000, "[TOOL_CALLS]" * 50_000 + "[ARGS]", '{"a":' * 50_000):
-        t0 = time.perf_counter()
-        parse_tool_calls(text, NAMES)
-        assert time.perf_counter() - t0 < 2.0
+    """Each character scanned a bounded number of times, however many tags open: four times the
+    text, four times the scanning, in as many passes (none per tag or per nesting level)."""
+    for piece, end in (("<tool_call>", ""), ("[TOOL_CALLS]", "[ARGS]"), ('{"a":', "")):
+        counted = []
+        for n in (50_000, 200_000):
+            text = piece * n + end
+            with counting_scans() as scans:
+                parse_tool_calls(text, NAMES)
+            assert scans.chars <= _SCANS_PER_CHAR * len(text), (piece, n, scans)
+            if piece == "<tool_call>":
+                # the first tag, left open, matches to the end (the pattern's \Z): the pattern is
+                # not tried again at each later tag, each time to the end
+                assert scans.matched == len(text), scans
+            counted.append(scans)
+        small, large = counted
+        assert large.passes == small.passes and large.chars <= 4 * small.chars + 64, (piece, counted)
 
 
 # ---- reading tools and tool_choice ----
