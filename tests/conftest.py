@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,18 @@ from unillm.testing import TinyModel, build_tiny_model
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 needs_llama_cpp = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+#: The options the shared vLLM engine starts with. No dtype: unillm's default, the weights' own
+#: (f32 here; vLLM's "auto" would run bf16, which changes greedy tokens and costs a ~25 s kernel JIT
+#: on the first request). Eager: a start of 25-60 s instead of minutes of torch.compile.
+VLLM_OPTIONS: dict[str, Any] = {
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 32,
+    "seed": 0,
+}
+VLLM_CONTEXT = 2048  # room for the tool tests' Hermes prompts (tests/test_tools.py)
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +48,30 @@ def llama(tiny_gguf: Path) -> Iterator[object]:
     engine = LlamaCppEngine(model=str(tiny_gguf), context_length=512, options={"n_threads": 2, "seed": 1234})
     with engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny: TinyModel) -> Iterator[Any]:
+    """One real vLLM engine on the tiny HF model (VLLM_OPTIONS, VLLM_CONTEXT tokens), shared by
+    every module whose tests need vLLM with these options: each vLLM start costs 25-60 s here, the
+    suite's largest single cost. A test that needs another configuration, or closes or breaks its
+    engine, starts its own and says why."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
+    from unillm import load_engine
+
+    engine = load_engine(
+        {
+            "model": str(tiny.hf_dir),
+            "backend": "vllm",
+            "context_length": VLLM_CONTEXT,
+            "backend_options": {"vllm": VLLM_OPTIONS},
+        }
+    )
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="session")

@@ -69,15 +69,13 @@ class TestMLX(Conformance):
 
 @pytest.mark.skipif(not HAS["vllm"], reason="vllm is not installed")
 class TestVLLM(Conformance):
-    # one vLLM engine (about 20 s to start on CPU): no factory, so the close checks skip here;
-    # tests/test_vllm.py closes its own engines while streaming and twice
+    # the session's shared vLLM engine (tests/conftest.py; a start costs 25-60 s here): no
+    # factory, so the close checks skip here; tests/test_vllm.py closes its own engines while
+    # streaming and twice
     @pytest.fixture(scope="class")
     @classmethod
-    def unillm_engine(cls, tiny: TinyModel) -> Iterator[Any]:
-        from unillm.engines.vllm import VLLMEngine
-
-        with VLLMEngine(model=str(tiny.hf_dir), context_length=512, options={"dtype": "float32"}) as engine:
-            yield engine
+    def unillm_engine(cls, vllm_engine: Any) -> Any:
+        return vllm_engine
 
     @pytest.fixture
     def unillm_reference(self, reference: Any) -> Any:

@@ -45,24 +45,23 @@ def _open(name: str, tiny: TinyModel) -> Any:
             "backend": "llama.cpp",
             "backend_options": {"llama.cpp": {"n_threads": 2}},
         }
-    elif name.startswith("mlx"):
+    else:
         spec = {"model": str(tiny.hf_dir), "backend": "mlx",
                 "backend_options": {"mlx": {"batch_size": 8 if name == "mlx-batched" else 1}}}  # fmt: skip
-    else:
-        opts = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 8, "seed": 0}
-        spec = {"model": str(tiny.hf_dir), "backend": "vllm", "backend_options": {"vllm": opts}}
     return load_engine({**spec, "context_length": 512})
 
 
 @pytest.fixture(scope="module")
-def engines(tiny: TinyModel) -> Iterator[dict[str, Any]]:
-    """Every engine installed here, opened once (vLLM's start is the module's longest wait)."""
+def engines(tiny: TinyModel, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """Every engine installed here: llama.cpp and MLX opened once for the module, vLLM the
+    session's shared engine (tests/conftest.py; its start is the longest wait)."""
     opened: dict[str, Any] = {}
     try:
         for name in ENGINES:
-            if name != "vllm" or HAS["vllm"]:
+            if name != "vllm":
                 opened[name] = _open(name, tiny)
-        yield opened
+        shared = {"vllm": request.getfixturevalue("vllm_engine")} if HAS["vllm"] else {}
+        yield {**opened, **shared}
     finally:
         for e in opened.values():
             e.close()

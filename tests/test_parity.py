@@ -23,10 +23,15 @@ from unillm import SamplingParams, auto_engine
 from unillm.testing import TinyModel, build_tiny_model, check_parity
 from unillm.testing._tiny import SPECIAL_TOKENS
 
+from .conftest import VLLM_OPTIONS
+
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("llama_cpp", "mlx_lm", "vllm")}
-pytestmark = pytest.mark.skipif(
-    not (HAS["llama_cpp"] and HAS["mlx_lm"]), reason="needs llama-cpp-python and mlx-lm"
-)
+pytestmark = [
+    pytest.mark.skipif(not (HAS["llama_cpp"] and HAS["mlx_lm"]), reason="needs llama-cpp-python and mlx-lm"),
+    # each model size's engines (vLLM compiling its graphs among them) start once: a random order
+    # (--random-order) shuffles this module among the others but keeps its tests grouped by size
+    pytest.mark.random_order(disabled=True),
+]
 
 PROMPTS = [
     "The quick brown fox", "Hello world", "Once upon a time", "Why is the sky blue?",
@@ -51,8 +56,9 @@ PROMPTS = [
 assert len(PROMPTS) == 50
 
 
-def _engines(model: TinyModel) -> dict[str, Any]:
-    """Every engine installed here on ``model``, each with its default options."""
+def _engines(model: TinyModel, vllm_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every engine installed here on ``model``, each with its default options (vLLM with
+    ``vllm_options`` instead where given)."""
     from unillm.engines.llamacpp import LlamaCppEngine
     from unillm.engines.mlx import MLXEngine
 
@@ -63,7 +69,7 @@ def _engines(model: TinyModel) -> dict[str, Any]:
     if HAS["vllm"]:
         from unillm.engines.vllm import VLLMEngine
 
-        engines["vllm"] = VLLMEngine(model=str(model.root))
+        engines["vllm"] = VLLMEngine(model=str(model.root), options=vllm_options or {})
     return engines
 
 
@@ -121,7 +127,9 @@ def test_a_model_declaring_several_eos_ids_stops_on_each(tmp_path: Path) -> None
     model = build_tiny_model(tmp_path / "multi", "small", eos=declared)
     hf_cfg = json.loads((model.hf_dir / "generation_config.json").read_text())
     assert len(hf_cfg["eos_token_id"]) == 3
-    engines = _engines(model)
+    # vLLM eager with a small KV cache: the EOS set does not depend on compiled graphs, and the
+    # start takes half the time; the parity fixture above runs vLLM with its defaults
+    engines = _engines(model, VLLM_OPTIONS)
     try:
         for e in engines.values():
             e.load()
@@ -168,10 +176,13 @@ def test_unillm_backend_alone_swaps_the_engine(tiny: TinyModel) -> None:
 
 @pytest.mark.skipif(not HAS["vllm"], reason="vLLM is not installed")
 def test_several_users_select_vllm_and_say_why(tiny: TinyModel) -> None:
-    with auto_engine(tiny.hf_dir, concurrency=16) as e:
+    # options for vLLM only (eager, a small KV cache), so that each start is the shared engine's
+    # 25-60 s rather than minutes of compiling: the choice is made before any option is read
+    quick = {"backend_options": {"vllm": VLLM_OPTIONS}}
+    with auto_engine(tiny.hf_dir, concurrency=16, **quick) as e:
         assert e.name == "vllm"
         assert e.selection is not None
         text = e.selection.explain()
         assert "16 concurrent requests" in text and "several users" in text
-    with auto_engine(tiny.root, concurrency=16) as e:  # the directory with both formats too
+    with auto_engine(tiny.root, concurrency=16, **quick) as e:  # the directory with both formats too
         assert e.name == "vllm"

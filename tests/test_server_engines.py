@@ -30,6 +30,10 @@ from ._soak_util import Served, metric, parse_metrics, serve
 
 openai = pytest.importorskip("openai")
 
+# each served engine (a vLLM server among them) starts once: a random order (--random-order)
+# shuffles this module among the others but keeps its tests grouped by engine
+pytestmark = pytest.mark.random_order(disabled=True)
+
 HAS_MLX = importlib.util.find_spec("mlx_lm") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None

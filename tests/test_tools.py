@@ -582,18 +582,13 @@ def test_mlx_every_forced_call_is_valid(mlx: Any) -> None:
     assert valid == finished >= 3
 
 
-@pytest.fixture(scope="module")
-def vllm(tiny: TinyModel) -> Iterator[Any]:
-    pytest.importorskip("vllm")
-    from unillm import load_engine
-
-    options = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 8, "seed": 0}
-    config = {"model": str(tiny.hf_dir), "backend": "vllm", "context_length": 2048}
-    engine = load_engine({**config, "chat_template": HERMES, "backend_options": {"vllm": options}})
-    try:
-        yield engine
-    finally:
-        engine.close()
+@pytest.fixture
+def vllm(vllm_engine: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The session's shared vLLM engine (tests/conftest.py), with the Hermes template for this
+    test only: the engine reads ``config.chat_template`` at each call."""
+    hermes = vllm_engine.config.model_copy(update={"chat_template": HERMES})
+    monkeypatch.setattr(vllm_engine, "config", hermes)
+    return vllm_engine
 
 
 @pytest.mark.vllm
