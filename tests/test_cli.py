@@ -461,9 +461,14 @@ def test_a_spinner_while_loading_only_on_a_terminal(tiny_gguf: Path) -> None:
 
     reader = threading.Thread(target=drain)
     reader.start()
-    proc.communicate(timeout=120)
-    reader.join(timeout=10)
-    os.close(master)
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # it hung: no stray engine left for the next test
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+        os.close(master)
     assert proc.returncode == 0, seen.decode(errors="replace")
     assert f"loading {tiny_gguf} with llama.cpp...".encode() in seen
 

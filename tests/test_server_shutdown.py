@@ -29,6 +29,15 @@ def _start(gguf: Path, *flags: str) -> tuple[subprocess.Popen[str], str, list[st
         text=True,
         start_new_session=True,
     )
+    try:
+        return _wait_ready(proc)
+    except BaseException:  # no server left running for the next test
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def _wait_ready(proc: subprocess.Popen[str]) -> tuple[subprocess.Popen[str], str, list[str]]:
     assert proc.stderr is not None
     deadline = time.monotonic() + 120
     for line in proc.stderr:
@@ -48,7 +57,7 @@ def _start(gguf: Path, *flags: str) -> tuple[subprocess.Popen[str], str, list[st
                 return proc, url, log
         except httpx.TransportError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.1)  # polling, bounded by the deadline
     pytest.fail("the server never became ready")
 
 
