@@ -246,6 +246,12 @@ def test_sync_streams_from_several_threads(engine: Any) -> None:
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
 
+#: The blocks a request may still take between the reading before its cancel and the abort: the
+#: reading is the latest step's usage fraction, rounded (one block either way), and a step or two
+#: may run before the abort lands. A request that ran on would take ~55 more.
+SLACK_BLOCKS = 4
+
+
 def blocks_until_free(engine: Any, timeout: float = 60.0) -> list[int]:
     """``used_blocks`` polled until it reads 0 (or ``timeout``): every reading. A request still
     running would take more blocks as it goes (900 tokens need 57 blocks of 16), so the readings
@@ -281,7 +287,7 @@ def test_cancelling_a_task_aborts_its_request_and_frees_its_blocks(engine: Any) 
     assert busy and busy > 0
     after = blocks_until_free(engine)
     assert after[-1] == 0, engine.kv_stats()
-    assert max(after) <= busy + 1, (busy, after)  # it took no more blocks: aborted, not run to the end
+    assert max(after) <= busy + SLACK_BLOCKS, (busy, after)  # aborted, not run on to 57 blocks
     assert engine.generate(PROMPTS[0], GREEDY).finish_reason in ("stop", "length")  # still usable
 
 
@@ -295,7 +301,7 @@ def test_breaking_out_of_a_sync_stream_aborts_the_request(engine: Any) -> None:
     stream.close()
     after = blocks_until_free(engine)
     assert after[-1] == 0, engine.kv_stats()
-    assert max(after) <= busy + 1, (busy, after)
+    assert max(after) <= busy + SLACK_BLOCKS, (busy, after)
 
 
 # ---- usage, timings, KV stats ----
