@@ -11,7 +11,6 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from io import FileIO
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ import pytest
 from unillm import ModelFormatError, ModelNotFound, _inspect, detect_format, inspect_model
 from unillm._inspect import read_gguf_header
 from unillm.testing import TinyModel
+
+from ._reads import Reads, count_reads
 
 
 def test_formats(tiny: TinyModel, tmp_path: Path) -> None:
@@ -259,33 +260,21 @@ def _strings(items: list[bytes]) -> bytes:
 @dataclass
 class Work:
     """What header reads did, counted rather than timed: read calls on the file and the bytes they
-    returned, bytes parsed into values (``_Reader.take``, ``unpack``; a skip parses none) and strings
-    walked over by their length prefixes (``_Reader.skip_strings``)."""
+    returned (``io``), bytes parsed into values (``_Reader.take``, ``unpack``; a skip parses none)
+    and strings walked over by their length prefixes (``_Reader.skip_strings``)."""
 
-    reads: int = 0
-    read: int = 0
+    io: Reads
     parsed: int = 0
     walked: int = 0
 
     def reset(self) -> None:
-        self.reads = self.read = self.parsed = self.walked = 0
+        self.io.calls = self.io.bytes = self.parsed = self.walked = 0
 
 
 @pytest.fixture
 def work(monkeypatch: pytest.MonkeyPatch) -> Work:
     """The ``Work`` of every header read in the test (counters wrapped around the real code)."""
-    w = Work()
-
-    class Counted(FileIO):
-        def read(self, size: int | None = -1, /) -> bytes:
-            data = super().read(size) or b""
-            w.reads, w.read = w.reads + 1, w.read + len(data)
-            return data
-
-        def readinto(self, buffer: Any, /) -> int:
-            got = super().readinto(buffer) or 0
-            w.reads, w.read = w.reads + 1, w.read + got
-            return got
+    w = Work(io=count_reads(monkeypatch))
 
     reader = _inspect._gguf_reader._Reader
     take, unpack, skip_strings = reader.take, reader.unpack, reader.skip_strings
@@ -302,7 +291,6 @@ def work(monkeypatch: pytest.MonkeyPatch) -> Work:
         w.walked += n
         skip_strings(self, n)
 
-    monkeypatch.setattr(_inspect._files, "FileIO", Counted)  # what _open wraps each file in
     monkeypatch.setattr(reader, "take", counted_take)
     monkeypatch.setattr(reader, "unpack", counted_unpack)
     monkeypatch.setattr(reader, "skip_strings", counted_skip_strings)
@@ -319,7 +307,7 @@ def test_many_small_arrays_cost_little_per_byte(tmp_path: Path, work: Work) -> N
     size = path.stat().st_size
     h = read_gguf_header(path)
     # each byte read at most once, in blocks of 64 KiB or more (not a read per key or per array)
-    assert work.read <= size and work.reads <= size // (1 << 16) + 1, work
+    assert work.io.bytes <= size and work.io.calls <= size // (1 << 16) + 1, work
     assert work.parsed < 512 << 10, work  # 64 KiB of items and the keys, of 32 MiB
     assert len(h.array_lengths) == 8192
     kept = [v for v in h.metadata.values() if v is not None]
@@ -370,7 +358,7 @@ def test_implausible_counts_are_refused_before_any_work(tmp_path: Path, work: Wo
         work.reset()
         with pytest.raises(ModelFormatError, match=f"{why}.*corrupt or hostile"):
             read_gguf_header(path)
-        assert work.read <= 1 << 16 and work.parsed <= 128 and work.walked == 0, (label, work)
+        assert work.io.bytes <= 1 << 16 and work.parsed <= 128 and work.walked == 0, (label, work)
 
 
 def test_every_string_of_every_array_counts_against_one_cap(tmp_path: Path, work: Work) -> None:
@@ -384,7 +372,7 @@ def test_every_string_of_every_array_counts_against_one_cap(tmp_path: Path, work
     # ahead (up to 4 MiB) is read; the walk reads in blocks, not a read per string
     assert work.walked == 2 << 20, work
     third = path.stat().st_size - (8 << 20)  # where the third array's strings start
-    assert work.read <= third + (4 << 20) and work.reads <= 16, work
+    assert work.io.bytes <= third + (4 << 20) and work.io.calls <= 16, work
 
 
 @pytest.mark.parametrize("block", [8, 13, 64, 1 << 10])

@@ -10,8 +10,6 @@ import struct
 import sys
 import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from io import FileIO
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,8 @@ from unillm._inspect import GGML_BLOCKS, ModelInfo, inspect_model, read_gguf_hea
 from unillm._plan import bits_per_weight
 from unillm.testing import SIZES, TinyModel
 
+from ._reads import Reads, count_reads
+
 gguf = pytest.importorskip("gguf")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -32,33 +32,10 @@ Tensor = tuple[str, Sequence[int], int]  # name, shape (elements), ggml type
 # ---- work, counted rather than timed ---------------------------------------------------------
 
 
-@dataclass
-class Reads:
-    """The read calls made on the model's files and the bytes they returned."""
-
-    calls: int = 0
-    bytes: int = 0
-
-
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Reads:
-    """Every read of a model file in the test, counted (inspection opens each through ``_open``,
-    which wraps the descriptor in ``_files.FileIO``)."""
-    counted = Reads()
-
-    class Counted(FileIO):
-        def read(self, size: int | None = -1, /) -> bytes:
-            data = super().read(size) or b""
-            counted.calls, counted.bytes = counted.calls + 1, counted.bytes + len(data)
-            return data
-
-        def readinto(self, buffer: Any, /) -> int:
-            got = super().readinto(buffer) or 0
-            counted.calls, counted.bytes = counted.calls + 1, counted.bytes + got
-            return got
-
-    monkeypatch.setattr(_inspect._files, "FileIO", Counted)
-    return counted
+    """Every read of a model file in the test, counted."""
+    return count_reads(monkeypatch)
 
 
 class Calls:
