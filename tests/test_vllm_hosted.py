@@ -51,17 +51,22 @@ def host() -> Iterator[Host]:
     h.close()
 
 
-@pytest.fixture(scope="module")
-def engine(tiny: TinyModel, host: Host) -> Iterator[Any]:
+def open_hosted(tiny: TinyModel, host: Host) -> Any:
+    """A vLLM engine loaded on this thread for the host's loop."""
     config = {
         "model": str(tiny.hf_dir),
         "backend": "vllm",
         "context_length": 512,
         "backend_options": {"vllm": OPTIONS},
     }
+    with host_loop_for(host.loop):
+        return load_engine(config)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: TinyModel, host: Host) -> Iterator[Any]:
     loops_before = _loop_threads()
-    with host_loop_for(host.loop):  # loaded on this thread, for the host's loop
-        eng = load_engine(config)
+    eng = open_hosted(tiny, host)
     host.loop_threads_started = _loop_threads() - loops_before  # read by the first test
     try:
         yield eng
@@ -138,9 +143,17 @@ def test_a_stream_closed_early_on_the_host_aborts_its_request(engine: Any, host:
     )
 
 
-def test_closing_ends_running_streams_and_leaves_the_hosts_tasks(engine: Any, host: Host) -> None:
-    # the last test of the module: it closes the shared engine (the fixture's close is then a no-op)
-    eng = engine
+def test_closing_ends_running_streams_and_leaves_the_hosts_tasks(tiny: TinyModel, host: Host) -> None:
+    # an engine of its own, since it closes it: the module's engine stays open for the other tests
+    # in any order (--random-order found them failing after this one when it closed the shared one)
+    eng = open_hosted(tiny, host)
+    try:
+        _close_while_streaming(eng, host)
+    finally:
+        eng.close()
+
+
+def _close_while_streaming(eng: Any, host: Host) -> None:
     bystander = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), host.loop)
     first = threading.Event()
 
