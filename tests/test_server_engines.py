@@ -38,7 +38,7 @@ HAS_MLX = importlib.util.find_spec("mlx_lm") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 
-# The options tests/test_vllm.py starts vLLM with: eager (no torch.compile), a small KV cache.
+# The options of the tests' shared vLLM engine (tests/conftest.py): eager, a small KV cache.
 VLLM_OPTIONS = {
     "enforce_eager": "true",
     "kv_cache_memory_bytes": str(64 << 20),
