@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from unillm._engine import Request
+from unillm._contract._engine import Request
 from unillm._types import Capabilities, SamplingParams
 from unillm.bench import Workload, bench_engine
 from unillm.bench._api import _run

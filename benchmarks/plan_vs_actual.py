@@ -135,7 +135,7 @@ def _plan(plan: Any, info: Any, hw: Any, wl: Any, backend: str) -> Any:
     """The plan with ``backend``'s memory model (a planner from before it: the generic plan)."""
     if "engine" not in inspect.signature(plan).parameters:
         return plan(info, hw, wl)
-    from unillm._plugins import default_registry
+    from unillm._choose._registry import default_registry
 
     return plan(info, hw, wl, engine=getattr(default_registry().get(backend), "memory", None))
 

@@ -177,7 +177,7 @@ def bench_llamacpp(model: Any, rounds: int, threads: int) -> dict[str, Any]:
 
     from unillm import SamplingParams, auto_engine
     from unillm._structured import output_format
-    from unillm.engines._llamacpp_grammar import gbnf, grammar_for
+    from unillm.engines.llamacpp._grammar import gbnf, grammar_for
 
     path = str(model.gguf_path)
     opts = {"n_threads": threads, "n_threads_batch": threads}
@@ -309,7 +309,7 @@ def bench_mlx(model: Any, rounds: int) -> dict[str, Any]:
 
     fmt = output_format(SCHEMA)
     assert fmt is not None
-    from unillm.engines._llguidance import Guide
+    from unillm.backend.llguidance import Guide
 
     def tokenizer_build() -> None:
         Guide("mlx", "", model.hf_dir, n_vocab, eos)._llg()
@@ -352,7 +352,7 @@ def bench_vllm(model: Any, rounds: int) -> dict[str, Any]:
         }
     )
     llm = LLM(**engine.engine_args)
-    # unillm starts vLLM with compact JSON (unillm/engines/_vllm_args.py), so the output ends on its
+    # unillm starts vLLM with compact JSON (unillm/engines/vllm/_args.py), so the output ends on its
     # own; under vLLM's default grammar (free whitespace) random weights ran to max_tokens
     max_tokens = 256
     constrained = SamplingParams(max_tokens=max_tokens, temperature=0.0, response_format=SCHEMA)

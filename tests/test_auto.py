@@ -125,7 +125,8 @@ def test_a_backend_without_steps_gets_only_the_context_ones(tiny_gguf: Path) -> 
 
 
 def test_steps_the_plan_says_cannot_fit_are_skipped(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from unillm import Hardware, _auto, inspect_model
+    from unillm import Hardware, inspect_model
+    from unillm._choose import _auto
 
     info = inspect_model(tiny_gguf)
     # a machine whose RAM holds the 1024-token plan with a q8_0 cache, and not the 2048-token one
@@ -222,7 +223,8 @@ class Offloader(MockEngine):
 
 
 def test_fewer_gpu_layers_where_there_is_a_gpu(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from unillm import GPU, Hardware, _auto
+    from unillm import GPU, Hardware
+    from unillm._choose import _auto
 
     gpu = Hardware(
         "Linux", "x86_64", "cpu", 8, (), 64 * 10**9, gpus=(GPU(0, "nvidia", "RTX 4090", 24 * 10**9),)
@@ -235,7 +237,8 @@ def test_fewer_gpu_layers_where_there_is_a_gpu(tiny_gguf: Path, monkeypatch: pyt
 
 
 def test_no_gpu_no_layer_step(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from unillm import Hardware, _auto
+    from unillm import Hardware
+    from unillm._choose import _auto
 
     monkeypatch.setattr(_auto, "_machine", lambda: Hardware("Linux", "x86_64", "cpu", 8, (), 64 * 10**9))
     Offloader.tried.clear()

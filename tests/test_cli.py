@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 import unillm
-from unillm._doctor import with_engine_builds
+from unillm._choose._doctor import with_engine_builds
 from unillm.cli import app
 from unillm.testing import MockEngine, TinyModel
 
@@ -56,7 +56,7 @@ class Broken(MockEngine):
 
 
 def test_doctor_reports_the_builds_the_backends_report(monkeypatch: pytest.MonkeyPatch) -> None:
-    from unillm import _plugins
+    from unillm._choose import _registry as _plugins
 
     reg = _plugins.Registry(builtins=False, entry_points=False)
     reg.register_backend(Probed)

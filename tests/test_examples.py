@@ -110,7 +110,7 @@ def test_reverse_plugin_is_found_through_its_entry_point(env: dict[str, str], tm
     fake_install(tmp_path, "unillm-reverse", "reverse", "unillm_reverse")
     script = (
         "import unillm\n"
-        "from unillm._plugins import default_registry\n"
+        "from unillm._choose._registry import default_registry\n"
         "for name, info in unillm.backends().items():\n"
         "    print(f'backend {name} from {info.source}')\n"
         "print('failures', default_registry().failures)\n"

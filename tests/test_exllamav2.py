@@ -33,14 +33,13 @@ from unillm import (
     SamplingParams,
     UnillmWarning,
     Workload,
-    _common,
     auto_engine,
     inspect_model,
     load_hardware,
     plan,
 )
-from unillm.backend import Cost, EngineConfig, Facts, kv_dtype
-from unillm.engines._exllamav2_load import template as _template
+from unillm._hardware import _quick
+from unillm.backend import Cost, EngineConfig, Facts, hf_chat_template, kv_dtype
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV, ExLlamaV2Engine
 from unillm.testing import TinyModel, check_engine
 from unillm.testing._tiny import CHAT_TEMPLATE
@@ -155,9 +154,9 @@ def test_no_gpu_is_unavailable_with_the_reason_and_the_alternatives(
 def test_the_gpu_probe_decides_when_not_told(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delenv(ASSUME_GPU_ENV)
-    monkeypatch.setattr(_common, "gpu_probe", lambda: False)
+    monkeypatch.setattr(_quick, "gpu_probe", lambda: False)
     assert not ExLlamaV2Engine.available().available
-    monkeypatch.setattr(_common, "gpu_probe", lambda: True)
+    monkeypatch.setattr(_quick, "gpu_probe", lambda: True)
     assert ExLlamaV2Engine.available().available
 
 
@@ -460,10 +459,13 @@ def test_chat_renders_the_hf_template(engine: ExLlamaV2Engine, tiny: TinyModel) 
 
 def test_chat_template_sources(tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
-    assert _template({"chat_template": named}, tmp_path) == "D"
-    assert _template({}, tmp_path) is None
+    assert hf_chat_template(tmp_path, {"chat_template": named}) == "D"
+    assert hf_chat_template(tmp_path, {"chat_template": named[:1]}) is None  # no default named
+    assert hf_chat_template(tmp_path, {}) is None
     (tmp_path / "chat_template.jinja").write_text("J")
-    assert _template({}, tmp_path) == "J"
+    assert hf_chat_template(tmp_path, {}) == "J"
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "S"}')
+    assert hf_chat_template(tmp_path) == "S"  # the string in the config comes first
 
 
 # ---- concurrency and cancellation ----
@@ -758,10 +760,10 @@ def test_fallback_steps() -> None:
 
 
 def test_probe_build_delegates_to_the_builds_probe() -> None:
-    from unillm.engines import _builds
+    from unillm.engines.exllamav2 import _build
 
     hw = load_hardware(LAPTOP)
     findings: list[str] = []
     build = ExLlamaV2Engine.probe_build(hw, findings)
     expected: list[str] = []
-    assert build == _builds.exllamav2(hw, expected) and findings == expected
+    assert build == _build.build(hw, expected) and findings == expected

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from unillm import _hardware
-from unillm._doctor import with_engine_builds
+from unillm._choose._doctor import with_engine_builds
+from unillm._choose._registry import Registry
 from unillm._errors import ConfigError
 from unillm._hardware import (
     GPU,
@@ -37,9 +38,12 @@ from unillm._hardware import (
     parse_rocm_smi,
     parse_rocm_smi_topotype,
 )
-from unillm._plugins import Registry
-from unillm.engines import _builds
-from unillm.engines._builds import llama_cpp_devices
+from unillm.backend import builds
+from unillm.engines.exllamav2 import _build as exllamav2_build
+from unillm.engines.llamacpp import _build as llamacpp_build
+from unillm.engines.llamacpp._build import llama_cpp_devices
+from unillm.engines.mlx import _build as mlx_build
+from unillm.engines.vllm import _build as vllm_build
 from unillm.testing import MockEngine
 
 PROFILES = Path(__file__).parent / "profiles"
@@ -758,18 +762,18 @@ def registry(*probes: tuple[str, Probe]) -> Registry:
 
 
 def built_in_probes() -> Registry:
-    """Test backends probing as the built-ins do (``unillm.engines._builds``), whether or not the
-    built-in classes delegate to it yet."""
+    """Test backends probing as the built-ins do (each engine's ``_build.build``), whether or not
+    the built-in classes delegate to it yet."""
     return registry(
-        ("llama.cpp", _builds.llamacpp),
-        ("mlx", _builds.mlx),
-        ("exllamav2", _builds.exllamav2),
-        ("vllm", _builds.vllm),
+        ("llama.cpp", llamacpp_build.build),
+        ("mlx", mlx_build.build),
+        ("exllamav2", exllamav2_build.build),
+        ("vllm", vllm_build.build),
     )
 
 
 def test_detect_hardware_probes_no_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_builds, "_package_dir", lambda module: tmp_path)  # every engine "installed"
+    monkeypatch.setattr(builds, "package_dir", lambda module: tmp_path)  # every engine "installed"
     hw = detect_hardware(timeout=1)
     assert hw.engines == ()
     assert not any(
@@ -803,14 +807,14 @@ def test_engine_builds_come_from_the_backends_each_finding_once() -> None:
 
 
 def test_the_built_ins_that_probe_their_build_report_what_the_builds_module_says() -> None:
-    from unillm._engine import Engine
-    from unillm._plugins import default_registry
+    from unillm._choose._registry import default_registry
+    from unillm._contract._engine import Engine
 
     probes = {
-        "llama.cpp": _builds.llamacpp,
-        "mlx": _builds.mlx,
-        "exllamav2": _builds.exllamav2,
-        "vllm": _builds.vllm,
+        "llama.cpp": llamacpp_build.build,
+        "mlx": mlx_build.build,
+        "exllamav2": exllamav2_build.build,
+        "vllm": vllm_build.build,
     }
     hw = detect_hardware(timeout=1)
     for name, info in default_registry().backends().items():
@@ -827,7 +831,11 @@ def test_the_hardware_layer_knows_no_engine() -> None:
 
     root = Path(_hardware.__file__).parent
     modules = {
-        p: ast.parse(p.read_text(encoding="utf-8")) for p in [*root.glob("*.py"), Path(_builds.__file__)]
+        p: ast.parse(p.read_text(encoding="utf-8"))
+        for p in [
+            *root.glob("*.py"),
+            *(Path(m.__file__) for m in (builds, exllamav2_build, llamacpp_build, mlx_build, vllm_build)),
+        ]
     }
 
     def imported(tree: ast.Module) -> set[str]:
@@ -842,10 +850,12 @@ def test_the_hardware_layer_knows_no_engine() -> None:
     for path, tree in modules.items():
         names = imported(tree)
         if path.parent == root:
-            assert not {n for n in names if n.startswith(("unillm.engines", "unillm._plugins"))}, path
-        else:  # _builds: the standard library and the hardware data types; vLLM's rule is vLLM's
+            assert not {n for n in names if n.startswith(("unillm.engines", "unillm._choose._registry"))}, (
+                path
+            )
+        else:  # the build probes: the standard library, the kit and the hardware data types
             own = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names and n != "__future__"}
-            assert own <= {"unillm.backend", "unillm._hardware", "unillm.engines._vllm_build"}, own
+            assert own <= {"unillm", "unillm.backend", "unillm._hardware"}, (path, own)
 
 
 def fake_llama_cpp(tmp_path: Path, *libs: str) -> Path:
@@ -872,7 +882,7 @@ H100 = GPU(0, "nvidia", "NVIDIA H100 80GB HBM3", 80 * GIB)
 def with_engines(monkeypatch: pytest.MonkeyPatch, gpus: list[GPU], packages: dict[str, Path]) -> Hardware:
     monkeypatch.setattr(_hardware, "_probe_nvidia", lambda timeout, findings: (gpus, []))
     monkeypatch.setattr(_hardware, "_probe_amd", lambda timeout, findings: ([], []))
-    monkeypatch.setattr(_builds, "_package_dir", packages.get)  # where the build probes look
+    monkeypatch.setattr(builds, "package_dir", packages.get)  # where the build probes look
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return with_engine_builds(detect_hardware(timeout=1), built_in_probes())
 
@@ -900,11 +910,11 @@ def test_llama_cpp_with_cuda_is_no_finding(tmp_path: Path, monkeypatch: pytest.M
 def test_gpu_engines_without_a_gpu_are_findings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu_vllm = {"vllm": "0.32.0", "exllamav2": "0.3.2"}  # whatever vLLM build this machine has
     monkeypatch.setattr(
-        _builds,
-        "_version",
+        builds,
+        "dist_version",
         lambda *dists: next((gpu_vllm[d] for d in dists if d in gpu_vllm), None),
     )
-    monkeypatch.setattr(_builds, "_vllm_build", lambda: ("0.32.0", False))  # the vLLM backend's rule
+    monkeypatch.setattr(vllm_build, "vllm_build", lambda: ("0.32.0", False))  # the vLLM backend's rule
     hw = with_engines(monkeypatch, [], {"exllamav2": tmp_path, "mlx": tmp_path, "vllm": tmp_path})
     assert any(f.startswith("exllamav2 is installed but there is no CUDA or ROCm GPU") for f in hw.findings)
     assert any("vLLM (GPU build) is installed but there is no GPU" in f for f in hw.findings)

@@ -18,7 +18,7 @@ import pytest
 
 from unillm import ModelFormatError, ModelNotFound, _inspect, detect_format
 from unillm._inspect import GGML_BLOCKS, ModelInfo, inspect_model, read_gguf_header
-from unillm._plan import bits_per_weight
+from unillm._plan._estimate import bits_per_weight
 from unillm.testing import SIZES, TinyModel
 
 from ._reads import Reads, count_reads

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 
 from unillm import StructuredOutputError, ToolCallParseError
+from unillm._chat._tools import json_text, openai_tool_call, parse_tool_calls
 from unillm._structured import output_format
-from unillm._tools import json_text, openai_tool_call, parse_tool_calls
 
 CONSTANTS = ["NaN", "Infinity", "-Infinity"]
 

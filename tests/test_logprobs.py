@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from unillm import Chunk, SamplingParams, load_engine
-from unillm._run import Request, Run, fold
+from unillm._contract._run import Request, Run, fold
 from unillm.backend import TopLogprobs
 from unillm.testing import TinyModel
 

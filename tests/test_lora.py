@@ -188,7 +188,7 @@ def test_one_adapter_backends_refuse_several_and_per_request_names(
 @needs["vllm"]
 def test_vllm_applies_a_lone_adapter_to_every_request(lora: TinyLora) -> None:
     from unillm import EngineConfig
-    from unillm.engines._vllm_lora import LoraRequests
+    from unillm.engines.vllm._lora import LoraRequests
 
     one = LoraRequests(EngineConfig(model="m", lora=str(lora.peft_dir)))
     assert one.for_request(SamplingParams()).lora_path == str(lora.peft_dir)
@@ -258,8 +258,8 @@ def test_vllm_keeps_a_spare_empty_slot_on_the_cpu_build(vllm: Any) -> None:
 
 def test_vllm_lora_args_round_the_rank_up_and_keep_larger_options(lora: TinyLora, lora2: TinyLora) -> None:
     from unillm import EngineConfig
-    from unillm.engines._vllm_lora import lora_engine_args
     from unillm.engines.vllm import VLLMOptions
+    from unillm.engines.vllm._lora import lora_engine_args
 
     config = EngineConfig(model="m", lora={"a": str(lora.peft_dir), "b": str(lora2.peft_dir)})
     args = lora_engine_args(config, VLLMOptions(max_lora_rank=5), cpu=False)

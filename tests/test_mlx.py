@@ -419,10 +419,9 @@ def test_fallback_steps() -> None:
 
 
 def test_probe_build_reports_the_installed_mlx() -> None:
-    from unillm.engines import _builds
-    from unillm.engines.mlx import MLXEngine
+    from unillm.engines.mlx import MLXEngine, _build
 
     hw = load_hardware(LAPTOP)
     findings: list[str] = []
     build = MLXEngine.probe_build(hw, findings)
-    assert build is not None and build == _builds.mlx(hw, [])
+    assert build is not None and build == _build.build(hw, [])

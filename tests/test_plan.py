@@ -13,7 +13,7 @@ import pytest
 
 from unillm._hardware import GPU, Hardware
 from unillm._inspect import ModelInfo
-from unillm._plan import Plan, Workload, bits_per_weight, plan
+from unillm._plan._estimate import Plan, Workload, bits_per_weight, plan
 
 GiB = 2**30
 MiB = 2**20

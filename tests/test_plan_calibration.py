@@ -23,8 +23,10 @@ import pytest
 
 from unillm._hardware import GPU, Hardware
 from unillm._inspect import ModelInfo
-from unillm._plan import Workload, plan
-from unillm.engines._memory import LLAMACPP_MEMORY, MLX_MEMORY, VLLM_MEMORY
+from unillm._plan._estimate import Workload, plan
+from unillm.engines.llamacpp import LLAMACPP_MEMORY
+from unillm.engines.mlx import MLX_MEMORY
+from unillm.engines.vllm import VLLM_MEMORY
 
 MiB = 2**20
 GiB = 2**30
@@ -196,7 +198,7 @@ def test_plan_is_within_15_percent_of_the_memory_the_engine_adds(backend: str, c
 
     model = tiny_model("bench")
     path = model.gguf_path if backend == "llama.cpp" else model.hf_dir
-    from unillm._plugins import default_registry
+    from unillm._choose._registry import default_registry
 
     memory = default_registry().get(backend).memory  # type: ignore[attr-defined]
     p = plan(inspect_model(path), detect_hardware(), Workload(context_length=context), engine=memory)

@@ -71,7 +71,7 @@ def test_the_plugin_imports_nothing_private() -> None:
 def test_found_through_its_entry_point_beside_the_built_ins(env: dict[str, str], site: Path) -> None:
     script = (
         "import unillm\n"
-        "from unillm._plugins import default_registry\n"
+        "from unillm._choose._registry import default_registry\n"
         "for name, info in unillm.backends().items():\n"
         "    print(f'backend {name} from {info.source}')\n"
         "print('failures', default_registry().failures)\n"
@@ -116,7 +116,7 @@ def test_auto_engine_loads_it_for_exl3_on_a_faked_nvidia_machine(
 ) -> None:
     script = (
         "import sys, unillm\n"
-        "from unillm import _auto, load_hardware\n"
+        "from unillm import load_hardware\nfrom unillm._choose import _auto\n"
         "_auto._machine = lambda: load_hardware(sys.argv[2])  # the machine auto_engine sees\n"
         "with unillm.auto_engine(sys.argv[1], context_length=512) as e:\n"
         "    print('picked', e.name, type(e).__module__)\n"

@@ -86,7 +86,7 @@ LOCAL = """
 import json, sys
 import unillm
 from unillm import Workload, inspect_model, select
-from unillm._plugins import default_registry
+from unillm._choose._registry import default_registry
 
 reg = default_registry()
 info = inspect_model(sys.argv[1])

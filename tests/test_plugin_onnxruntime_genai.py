@@ -73,7 +73,7 @@ def test_onnxruntime_genai_plugin_tests_pass(site: Path, env: dict[str, str], on
 
 APP = """
 import sys, unillm
-from unillm._plugins import default_registry
+from unillm._choose._registry import default_registry
 for name, info in unillm.backends().items():
     print(f"backend {name} from {info.source}")
 print("failures", default_registry().failures)

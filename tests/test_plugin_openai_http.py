@@ -54,7 +54,7 @@ def test_openai_http_plugin_is_found_through_its_entry_point(env: dict[str, str]
     # pip installed it: its .dist-info names the module in the "unillm" entry-point group
     script = (
         "import sys, unillm\n"
-        "from unillm._plugins import default_registry\n"
+        "from unillm._choose._registry import default_registry\n"
         "for name, info in unillm.backends().items():\n"
         "    print(f'backend {name} from {info.source}')\n"
         "print('failures', default_registry().failures)\n"

@@ -62,7 +62,7 @@ from unillm.testing import convert_tiny, tiny_model
 ir = convert_tiny(tiny_model("small"), "openvino")
 for name, info in unillm.backends().items():
     print(f"backend {name} from {info.source}")
-from unillm._plugins import default_registry
+from unillm._choose._registry import default_registry
 print("failures", default_registry().failures)
 with unillm.auto_engine(str(ir)) as e:
     print("chosen", e.name, type(e).__module__, "format", e.selection.format)

@@ -60,7 +60,7 @@ import unillm
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     names = list(unillm.backends())
-from unillm._plugins import default_registry
+from unillm._choose._registry import default_registry
 print(json.dumps({
     "names": names,
     "failures": [[f.plugin, f.reason] for f in default_registry().failures],

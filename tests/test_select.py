@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 
 from unillm import GPU, Capabilities, Hardware, Plan, Registry, Workload, select
-from unillm._plugins import BackendInfo
+from unillm._choose._registry import BackendInfo
 from unillm._types import Availability
 from unillm.testing import MockEngine
 

@@ -223,7 +223,7 @@ def test_exllamav2_self_draft_gives_the_same_greedy_tokens(
 
 
 def test_the_backends_matrix_shows_speculative_decoding() -> None:
-    from unillm._plugins import default_registry
+    from unillm._choose._registry import default_registry
 
     caps = {name: info.cls.capabilities.speculative for name, info in default_registry().backends().items()}
     assert caps["llama.cpp"] and caps["mlx"] and caps["exllamav2"]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from unillm._stop import StopMatcher
+from unillm._contract._stop import StopMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -283,7 +283,7 @@ def test_a_backend_without_it_refuses_whatever_the_policy(tiny: TinyModel) -> No
 def test_a_grammar_llama_cpp_cannot_parse_is_an_error_not_a_crash(tiny: TinyModel) -> None:
     pytest.importorskip("llama_cpp")
     script = f"""
-import unillm.engines._llamacpp_grammar as g
+import unillm.engines.llamacpp._grammar as g
 from unillm import ConfigError
 from unillm.engines.llamacpp import LlamaCppEngine
 g.grammar_for = lambda fmt: 'root ::= ("a" | '

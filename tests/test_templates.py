@@ -21,7 +21,12 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from unillm import ConfigError, ModelFormatError
-from unillm._chat import MAX_OUTPUT_CHARS, MAX_TEMPLATE_CHARS, RENDER_DEADLINE_S, render_chat_template
+from unillm._chat._template import (
+    MAX_OUTPUT_CHARS,
+    MAX_TEMPLATE_CHARS,
+    RENDER_DEADLINE_S,
+    render_chat_template,
+)
 from unillm._types import ChatMessage
 from unillm.testing import TinyModel
 from unillm.testing._tiny import CHAT_TEMPLATE, write_variant_gguf
@@ -273,7 +278,7 @@ _RENDER_CHILD = r"""
 import json, resource, sys, time
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-from unillm._chat import render_chat_template
+from unillm._chat._template import render_chat_template
 from unillm._types import ChatMessage
 template = sys.stdin.read()
 t0 = time.monotonic()
@@ -438,7 +443,7 @@ def test_exhaustion_is_stopped_in_bounded_time_and_memory(template: str, match: 
 
 _THREADS_CHILD = r"""
 import json, threading
-from unillm._chat import render_chat_template
+from unillm._chat._template import render_chat_template
 from unillm._types import ChatMessage
 from unillm.testing._tiny import CHAT_TEMPLATE
 msgs = [ChatMessage("user", "hello")]

@@ -23,8 +23,9 @@ import jsonschema
 import pytest
 from hypothesis import given, settings
 
-from unillm import ConfigError, InvalidTools, ToolCall, ToolCallParseError, UnsupportedParameter, _tools
-from unillm._tools import parse_tool_calls, read_tools
+from unillm import ConfigError, InvalidTools, ToolCall, ToolCallParseError, UnsupportedParameter
+from unillm._chat import _tools
+from unillm._chat._tools import parse_tool_calls, read_tools
 from unillm._types import Capabilities, ChatMessage, SamplingParams
 from unillm.testing import MockEngine, TinyModel
 

@@ -466,7 +466,7 @@ def test_response_format_constrains_output_to_json(engine: Any) -> None:
 
 
 def test_chat_renders_through_the_tokenizers_template(engine: Any) -> None:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     rendered = engine.render_chat(messages)

@@ -21,23 +21,23 @@ from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemor
 from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
-from unillm._plan import Workload, plan
+from unillm._plan._estimate import Workload, plan
 from unillm.backend import Facts
 from unillm.engines import vllm as backend
-from unillm.engines._vllm_args import model_dir
-from unillm.engines._vllm_runtime import EngineLoop, Mailbox, OutputCapture
-from unillm.engines._vllm_start import load_error, weights_dtype
 from unillm.engines.vllm import VLLMEngine
+from unillm.engines.vllm._args import model_dir
+from unillm.engines.vllm._runtime import EngineLoop, Mailbox, OutputCapture
+from unillm.engines.vllm._start import load_error, weights_dtype
 from unillm.testing import TinyModel, check_closed
 
 GiB = 1 << 30
 
 
 def cpu_machine(monkeypatch: pytest.MonkeyPatch, available: int = 16 * GiB) -> None:
-    """The machine every engine's facts see (``unillm._facts.machine``), with the CPU build."""
+    """The machine every engine's facts see (``unillm._contract._facts.machine``), with the CPU build."""
     hw = Hardware("Linux", "x86_64", "cpu", 2, (), 24 * GiB, ram_available_bytes=available)
-    monkeypatch.setattr("unillm._facts.machine", lambda: hw)
-    monkeypatch.setattr(backend, "_build", lambda: ("cpu", "0.32.0"))
+    monkeypatch.setattr("unillm._contract._facts.machine", lambda: hw)
+    monkeypatch.setattr(backend, "_which_build", lambda: ("cpu", "0.32.0"))
 
 
 def engine_args(tiny: TinyModel, **config: Any) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def test_not_installed_names_the_extra_for_this_machine(monkeypatch: pytest.Monk
 
 def test_the_gpu_build_without_a_gpu_is_unavailable(monkeypatch: pytest.MonkeyPatch, tiny: TinyModel) -> None:
     monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(backend, "_build", lambda: ("gpu", "0.32.0"))
+    monkeypatch.setattr(backend, "_which_build", lambda: ("gpu", "0.32.0"))
     monkeypatch.setattr(backend, "gpu_present", lambda: False)
     avail = VLLMEngine.available()
     assert not avail.available and "GPU build" in avail.reason
@@ -76,7 +76,7 @@ def test_the_gpu_build_without_a_gpu_is_unavailable(monkeypatch: pytest.MonkeyPa
 
 def test_the_cpu_build_is_available_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(backend, "_build", lambda: ("cpu", "0.32.0"))
+    monkeypatch.setattr(backend, "_which_build", lambda: ("cpu", "0.32.0"))
     monkeypatch.setattr(backend, "gpu_present", lambda: False)
     avail = VLLMEngine.available()
     assert avail.available and avail.version == "0.32.0"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from unillm import ConfigError, EngineClosed, SamplingParams, load_engine
-from unillm._loops import host_loop_for
+from unillm._contract._loops import host_loop_for
 from unillm.testing import TinyModel
 
 pytestmark = [

@@ -14,7 +14,7 @@ import pytest
 from unillm._errors import ConfigError
 from unillm._hardware import GPU, Hardware, load_hardware
 from unillm._inspect import ModelInfo
-from unillm.engines._vllm_parallel import ParallelPlan, plan_parallel
+from unillm.engines.vllm._parallel import ParallelPlan, plan_parallel
 
 GiB = 2**30
 PROFILES = Path(__file__).parent / "profiles"
@@ -84,7 +84,7 @@ def test_nothing_given_and_it_fits_one_gpu_is_one_gpu_without_notes() -> None:
 
 
 def test_module_imports_nothing_heavy() -> None:
-    probe = "import sys, json, unillm.engines._vllm_parallel; print(json.dumps(sorted(sys.modules)))"
+    probe = "import sys, json, unillm.engines.vllm._parallel; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
     assert not loaded & {"vllm", "torch", "ray", "numpy", "pydantic"}

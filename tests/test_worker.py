@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from unillm._contract._worker import Live, StepWorker
 from unillm._errors import EngineClosed
-from unillm._worker import Live, StepWorker
 
 
 class Counter(StepWorker):

@@ -20,30 +20,31 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "auto_engine": "unillm._auto",
-    "load_engine": "unillm._auto",
-    "Selection": "unillm._select",
-    "Candidate": "unillm._select",
-    "select": "unillm._select",
+    "auto_engine": "unillm._choose._auto",
+    "load_engine": "unillm._choose._auto",
+    "Selection": "unillm._choose._select",
+    "Candidate": "unillm._choose._select",
+    "select": "unillm._choose._select",
     "Hardware": "unillm._hardware",
     "GPU": "unillm._hardware",
     "detect_hardware": "unillm._hardware",
     "load_hardware": "unillm._hardware",
     "ModelInfo": "unillm._inspect",
     "inspect_model": "unillm._inspect",
-    "Workload": "unillm._plan",
-    "Plan": "unillm._plan",
-    "Placement": "unillm._plan",
-    "plan": "unillm._plan",
+    "Workload": "unillm._plan._estimate",
+    "Plan": "unillm._plan._estimate",
+    "Placement": "unillm._plan._estimate",
+    "plan": "unillm._plan._estimate",
     "read_config": "unillm._config",
     "detect_format": "unillm._inspect",
-    "Engine": "unillm._engine",
-    "NoOptions": "unillm._engine",
-    "Request": "unillm._engine",
+    "Engine": "unillm._contract._engine",
+    "NoOptions": "unillm._contract._engine",
+    "Request": "unillm._contract._engine",
+    "RequestState": "unillm._contract._engine",
     "UnillmWarning": "unillm._errors",
-    "backends": "unillm._plugins",
-    "Registry": "unillm._plugins",
-    "BackendInfo": "unillm._plugins",
+    "backends": "unillm._choose._registry",
+    "Registry": "unillm._choose._registry",
+    "BackendInfo": "unillm._choose._registry",
     "hookimpl": "unillm.hookspecs",
     "SamplingParams": "unillm._types",
     "EngineConfig": "unillm._types",
@@ -70,8 +71,8 @@ _LAZY = {
     "GenerationError": "unillm._errors",
     "StructuredOutputError": "unillm._structured",
     "ToolCall": "unillm._types",
-    "InvalidTools": "unillm._tools",
-    "ToolCallParseError": "unillm._tools",
+    "InvalidTools": "unillm._chat._tools",
+    "ToolCallParseError": "unillm._chat._tools",
     "EngineClosed": "unillm._errors",
     "PluginError": "unillm._errors",
 }
@@ -107,6 +108,7 @@ __all__ = [
     "PluginError",
     "Registry",
     "Request",
+    "RequestState",
     "SamplingParams",
     "Selection",
     "StructuredOutputError",
@@ -136,9 +138,12 @@ __all__ = [
 if TYPE_CHECKING:
     from typing import Any
 
-    from unillm._auto import auto_engine, load_engine
+    from unillm._chat._tools import InvalidTools, ToolCallParseError
+    from unillm._choose._auto import auto_engine, load_engine
+    from unillm._choose._registry import BackendInfo, Registry, backends
+    from unillm._choose._select import Candidate, Selection, select
     from unillm._config import read_config
-    from unillm._engine import Engine, NoOptions, Request
+    from unillm._contract._engine import Engine, NoOptions, Request, RequestState
     from unillm._errors import (
         BackendUnavailable,
         ConfigError,
@@ -158,11 +163,8 @@ if TYPE_CHECKING:
     )
     from unillm._hardware import GPU, Hardware, detect_hardware, load_hardware
     from unillm._inspect import ModelInfo, detect_format, inspect_model
-    from unillm._plan import Placement, Plan, Workload, plan
-    from unillm._plugins import BackendInfo, Registry, backends
-    from unillm._select import Candidate, Selection, select
+    from unillm._plan._estimate import Placement, Plan, Workload, plan
     from unillm._structured import StructuredOutputError
-    from unillm._tools import InvalidTools, ToolCallParseError
     from unillm._types import (
         Availability,
         Capabilities,

@@ -121,7 +121,7 @@ def _table(value: Any, what: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _read_toml_table(path: Path) -> dict[str, Any]:
+def read_toml_table(path: Path) -> dict[str, Any]:
     """A TOML file's top-level table, every way of failing to read it a ``ConfigError``."""
     shown = repr(str(path)) if len(str(path)) <= 200 else repr(str(path)[:200] + "...")
     if path.suffix != ".toml":
@@ -164,7 +164,7 @@ def _read_toml_table(path: Path) -> dict[str, Any]:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    data = _read_toml_table(path)
+    data = read_toml_table(path)
     shown = repr(str(path)) if len(str(path)) <= 200 else repr(str(path)[:200] + "...")
     if "unillm" in data:
         if not isinstance(data["unillm"], dict):

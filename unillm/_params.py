@@ -29,7 +29,7 @@ def normalize_name(name: str) -> str:
 UnsupportedPolicy = Literal["strict", "warn", "drop"]
 
 
-class _Validated(BaseModel):
+class Validated(BaseModel):
     """A pydantic model whose validation errors are ``ConfigError``s naming the bad fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,7 +44,7 @@ class _Validated(BaseModel):
 _FLAGS = frozenset({"ignore_eos"})
 
 
-class SamplingParams(_Validated):
+class SamplingParams(Validated):
     """How to sample one completion. Defaults mean "off"; a backend refuses what it cannot do.
 
     A parameter left at its default is never reported as unsupported; one set to anything else is
@@ -183,7 +183,7 @@ class SamplingParams(_Validated):
         return [*names, "top_logprobs"] if self.logprobs else names
 
 
-class EngineConfig(_Validated):
+class EngineConfig(Validated):
     """What to load and how. Build it in code, from a dict, a TOML file or the environment.
 
     ``options`` are the backend's own load options (validated by its ``Options`` model);

@@ -51,7 +51,7 @@ def _no_constant(name: str) -> Any:
 
 
 #: JSON as the standard has it: NaN and Infinity are errors (Python's reader takes them). A
-#: number past a double's range (1e999) is JSON and reads as inf; ``unillm._tools.json_text``
+#: number past a double's range (1e999) is JSON and reads as inf; ``unillm._chat._tools.json_text``
 #: writes it back as such a number.
 STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)
 
@@ -221,13 +221,13 @@ def output_format(value: Any) -> OutputFormat | None:
                 'response_format {"type": "json_schema"} needs "json_schema": {"schema": {...}} with '
                 "the schema as an object"
             )
-        return OutputFormat("json_schema", _checked(schema))
+        return OutputFormat("json_schema", checked_schema(schema))
     if (isinstance(kind, str) and kind.startswith("json")) or not (_SCHEMA_KEYS & set(value)):
         raise ConfigError(
             f"response_format type {kind!r} is not one of {', '.join(_WRAPPERS)}, and the dict is not "
             "a JSON schema either (no type, properties, items, enum, anyOf, ... keyword)"
         )
-    return OutputFormat("json_schema", _checked(value))
+    return OutputFormat("json_schema", checked_schema(value))
 
 
 def _regex(pattern: Any) -> OutputFormat:
@@ -254,7 +254,7 @@ def _choice(choices: Any) -> OutputFormat:
     return OutputFormat("choice", choices=tuple(dict.fromkeys(choices)))
 
 
-def _checked(schema: Mapping[str, Any]) -> dict[str, Any]:
+def checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
     """``schema`` as a plain dict, once jsonschema has said it is a valid schema."""
     try:
         text = json.dumps(schema, sort_keys=True)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
-    from unillm._guide import GuideEntry
+    from unillm._choose._guide import GuideEntry
+    from unillm._contract._engine import Engine
     from unillm._inspect import ModelInfo
 
 __all__ = ["hookimpl", "hookspec"]

@@ -9,7 +9,7 @@ tools run as subprocesses with a timeout. docs/hardware.md says what is detected
 
 No engine is known here: ``Hardware.engines`` (``EngineBuild``) is data that ``detect_hardware``
 leaves empty; the backends report their installed builds (``Engine.probe_build``), which
-``unillm._doctor.with_engine_builds`` adds for ``unillm doctor``.
+``unillm._choose._doctor.with_engine_builds`` adds for ``unillm doctor``.
 
 One layer a module: ``_model`` (the data model and its JSON), ``_bandwidth`` (bandwidth figures),
 ``_run`` (bounded subprocesses and calls), ``_host`` (CPU and memory), ``_nvidia`` and ``_amd``
@@ -53,7 +53,7 @@ __all__ = [
     "parse_rocm_smi_topotype",
 ]
 # Imported from here too, though not in __all__ (the ``as`` marks them re-exported): _linux_memory
-# (_common.py) and Vendor.
+# (_quick.py) and Vendor.
 
 
 def detect_hardware(*, timeout: float = 2.0) -> Hardware:

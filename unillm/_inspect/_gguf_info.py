@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +9,8 @@ from unillm._errors import ModelFormatError
 from unillm._inspect._files import _kind
 from unillm._inspect._gguf import read_gguf_header
 from unillm._inspect._gguf_reader import _FTYPE_GUESSED, GGML_TYPE_NAMES, GGUF_FILE_TYPES, GGUFHeader
-from unillm._inspect._model import ModelInfo, _active, _bpw, _int
-from unillm._plan import bits_per_weight
+from unillm._inspect._model import ModelInfo, _active, _bpw, _int, bits_per_weight
+from unillm._inspect._paths import SPLIT_GGUF
 
 # ---- GGUF ------------------------------------------------------------------------------------
 
@@ -20,17 +19,16 @@ _HYBRID_ARCHS = {
     "qwen3next", "lfm2", "plamo2", "mamba", "mamba2", "rwkv6", "rwkv7", "gpt-oss", "llama4",
 }  # fmt: skip
 _MULTIMODAL_ARCHS = {"clip", "mllama", "qwen2vl", "qwen25vl", "qwen3vl", "qwen3vlmoe"}
-_SPLIT = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 _MAX_SPLITS = 1024
 
 
 def _split_stem(p: Path) -> str:
-    m = _SPLIT.fullmatch(p.name)
+    m = SPLIT_GGUF.fullmatch(p.name)
     return m["stem"] if m else p.name
 
 
 def _gguf_parts(p: Path) -> list[Path]:
-    m = _SPLIT.fullmatch(p.name)
+    m = SPLIT_GGUF.fullmatch(p.name)
     if not m:
         return [p]
     no, count = int(m["no"]), int(m["count"])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from unillm._inspect._gguf_reader import _SMALL_ARRAY
-from unillm._kv import kv_bytes_per_token
+from unillm._inspect._kv import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ModelInfo:
     the file's size less the bytes the header takes at the least (over by at most the header bytes
     not read and the alignment padding: a few MB for a 150k-token vocabulary), and
     ``parameters``, ``active_parameters`` and ``bits_per_weight`` follow from it and the usual bits
-    per weight of the file type (``unillm._plan.BITS_PER_WEIGHT``).
+    per weight of the file type (``BITS_PER_WEIGHT``).
     """
 
     path: str
@@ -57,7 +58,7 @@ class ModelInfo:
 
     def kv_bytes_per_token(self, dtype: str | int = "f16") -> int | None:
         """KV cache bytes per token for a cache of ``dtype`` (any spelling ``unillm.backend.kv_dtype``
-        takes), by the one KV formula (unillm/_kv.py); None when the shape is unknown."""
+        takes), by the one KV formula (unillm/_inspect/_kv.py); None when the shape is unknown."""
         if self.layers is None or self.kv_heads is None or self.head_dim is None:
             return None
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype)
@@ -90,3 +91,51 @@ def _active(params: int | None, expert_params: int, experts: int | None, used: i
     if params is None or not expert_params or not experts or experts <= 1 or not used:
         return params
     return params - expert_params + expert_params * min(used, experts) // experts
+
+
+BITS_PER_WEIGHT: dict[str, float] = {
+    # GGUF, whole-file averages (the _M/_L mixes keep some tensors in a larger type)
+    "f32": 32.0,
+    "f16": 16.0,
+    "bf16": 16.0,
+    "q8_0": 8.5,
+    "q6_k": 6.5625,
+    "q5_k_m": 5.7,
+    "q5_k_s": 5.5,
+    "q5_1": 6.0,
+    "q5_0": 5.5,
+    "q4_k_m": 4.8,
+    "q4_k_s": 4.6,
+    "q4_1": 5.0,
+    "q4_0": 4.5,
+    "iq4_nl": 4.5,
+    "iq4_xs": 4.25,
+    "q3_k_l": 4.3,
+    "q3_k_m": 3.9,
+    "q3_k_s": 3.5,
+    "q2_k": 2.96,
+    # Hugging Face quantization methods and dtypes
+    "awq": 4.25,  # 4-bit, group 128: 16-bit scale + 4-bit zero per group
+    "gptq": 4.25,
+    "fp8": 8.0,
+    "mxfp4": 4.25,  # 4-bit values + an 8-bit scale per 32
+    "fp16": 16.0,
+    "float16": 16.0,
+    "bfloat16": 16.0,
+    "fp32": 32.0,
+    "float32": 32.0,
+}
+_GROUP64_BITS = re.compile(r"mlx-(\d+)bit")  # MLX group 64: a 16-bit scale and bias per 64 weights
+
+
+def bits_per_weight(quantization: str | None) -> float | None:
+    """Average bits per weight (scales included) of a quantization name, or None if unknown."""
+    if not quantization:
+        return None
+    name = quantization.strip().lower()
+    if name in BITS_PER_WEIGHT:
+        return BITS_PER_WEIGHT[name]
+    grouped = _GROUP64_BITS.fullmatch(name)
+    if grouped:
+        return int(grouped.group(1)) + 0.5
+    return None

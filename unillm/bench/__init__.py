@@ -1,14 +1,15 @@
 """``unillm.bench``: engine benchmarks done the way the field says they must be (docs/benchmarks.md).
 
-    from unillm.bench import Workload, bench_engine, write_result
+    from unillm.bench import BenchWorkload, bench_engine, write_result
 
-    result = bench_engine(engine, Workload(input_len=64, output_len=32, requests=8, concurrency=[1, 4]))
+    result = bench_engine(engine, BenchWorkload(input_len=64, output_len=32, requests=8, concurrency=[1, 4]))
     write_result(result, "bench.json")
 
-Workloads are data (``Workload``, or a TOML / Python file read by ``load_workload``); targets are an
-engine in this process (``bench_engine``), a model on several backends (``bench_backends``) or an
-OpenAI-compatible URL (``bench_url``). Nothing here is imported by ``import unillm``; matplotlib
-and httpx are imported only when plotting and when benchmarking a URL.
+Workloads are data (``BenchWorkload``, also importable as ``Workload``, or a TOML / Python file
+read by ``load_workload``); targets are an engine in this process (``bench_engine``), a model on
+several backends (``bench_backends``) or an OpenAI-compatible URL (``bench_url``). Nothing here is
+imported by ``import unillm``; matplotlib and httpx are imported only when plotting and when
+benchmarking a URL.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _LAZY = {
+    "BenchWorkload": "unillm.bench._workload",
     "Workload": "unillm.bench._workload",
     "Lengths": "unillm.bench._workload",
     "Arrival": "unillm.bench._workload",
@@ -42,6 +44,7 @@ __all__ = [
     "SLO",
     "Arrival",
     "BenchError",
+    "BenchWorkload",
     "IncompleteResult",
     "Lengths",
     "RequestRecord",
@@ -65,7 +68,7 @@ if TYPE_CHECKING:
     from unillm.bench._metrics import RequestRecord, percentile
     from unillm.bench._report import plot, table
     from unillm.bench._result import SCHEMA, compare, read_result, write_result
-    from unillm.bench._workload import SLO, Arrival, Lengths, Workload, load_workload
+    from unillm.bench._workload import SLO, Arrival, BenchWorkload, Lengths, Workload, load_workload
 
 
 def __getattr__(name: str) -> Any:

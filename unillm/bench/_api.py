@@ -17,13 +17,13 @@ from unillm.bench._prompts import HFTokenizer, Prompts
 from unillm.bench._result import build_result
 from unillm.bench._runner import Bench, Level, Progress
 from unillm.bench._targets import EngineTarget, HttpTarget
-from unillm.bench._workload import Workload, load_workload
+from unillm.bench._workload import BenchWorkload, load_workload
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
     from unillm._hardware import Hardware
     from unillm._inspect import ModelInfo
-    from unillm._plan import Plan
+    from unillm._plan._estimate import Plan
 
 __all__ = ["bench_backends", "bench_engine", "bench_url", "model_path_for"]
 
@@ -53,14 +53,14 @@ def _plans(
     engine's own calibrated figures (docs/planner.md), else the generic formula (a URL's)."""
     if info is None or hardware is None:
         return [None] * len(levels)
-    from unillm._plan import Workload as PlanWorkload
-    from unillm._plan import plan
+    from unillm._contract._context import resolve_context
+    from unillm._plan._estimate import Workload, plan
 
     out: list[Plan | None] = []
     for level in levels:
         n = int(level.value) if level.kind == "concurrency" else max(1, level.peak_in_flight)
         try:
-            wl = PlanWorkload(context_length=context or 4096, concurrency=n)
+            wl = Workload(context_length=resolve_context(context, info.context_length)[0], concurrency=n)
             out.append(plan(info, hardware, wl, engine=memory))
         except Exception:  # the plan is context, never a reason to lose a run
             out.append(None)
@@ -69,7 +69,7 @@ def _plans(
 
 def bench_engine(
     engine: Engine[Any],
-    workload: Workload | dict[str, Any] | str | Path,
+    workload: BenchWorkload | dict[str, Any] | str | Path,
     *,
     model_name: str | None = None,
     model_path: str | Path | None = None,
@@ -87,7 +87,7 @@ def bench_engine(
     return _engine_result(engine, bench, levels, interrupted, model_name, model_path, price_per_hour)
 
 
-def _engine_bench(engine: Engine[Any], wl: Workload, progress: Progress | None) -> Bench:
+def _engine_bench(engine: Engine[Any], wl: BenchWorkload, progress: Progress | None) -> Bench:
     _check_context(wl, engine.context_length, engine.name)
     prompts = Prompts(wl, engine, vocab_size=engine.vocab_size)
     return Bench(EngineTarget(engine, wl), wl, prompts, progress=progress)
@@ -127,7 +127,7 @@ def _engine_result(
     )
 
 
-def _check_context(wl: Workload, context: int | None, name: str) -> None:
+def _check_context(wl: BenchWorkload, context: int | None, name: str) -> None:
     """A workload whose longest request cannot fit the loaded context fails before it runs, not
     as a level of errors."""
     if not context or wl.prompts_jsonl:
@@ -153,8 +153,8 @@ def _name(path: Path) -> str:
 def model_path_for(model: str | Path, backend: str) -> Path:
     """The file or directory of ``model`` that ``backend`` reads: in a directory holding an HF
     directory and a GGUF of the same weights, its own format of them."""
-    from unillm._model_path import model_formats
-    from unillm._plugins import default_registry
+    from unillm._choose._registry import default_registry
+    from unillm._inspect._paths import model_formats
 
     formats = model_formats(model)
     cls = default_registry().get(backend)
@@ -168,7 +168,7 @@ def model_path_for(model: str | Path, backend: str) -> Path:
 def bench_backends(
     model: str | Path,
     backends: Sequence[str | None],
-    workload: Workload | dict[str, Any] | str | Path,
+    workload: BenchWorkload | dict[str, Any] | str | Path,
     *,
     context_length: int | None = None,
     model_name: str | None = None,
@@ -181,7 +181,7 @@ def bench_backends(
     selects. By default one backend runs all its levels, is closed, then the next loads;
     ``interleave`` loads them all and runs each level on each backend in turn, so that a shared
     or throttling machine's drift falls on every backend alike (and needs the memory of all)."""
-    from unillm._auto import auto_engine
+    from unillm._choose._auto import auto_engine
 
     wl = load_workload(workload)
     name = model_name or _name(Path(model))
@@ -214,13 +214,13 @@ def bench_backends(
 def _interleaved(
     model: str | Path,
     backends: Sequence[str | None],
-    wl: Workload,
+    wl: BenchWorkload,
     name: str,
     context_length: int | None,
     price_per_hour: float | None,
     progress: Progress | None,
 ) -> list[dict[str, Any]]:
-    from unillm._auto import auto_engine
+    from unillm._choose._auto import auto_engine
 
     engines: list[tuple[Engine[Any], Path]] = []
     try:
@@ -254,7 +254,7 @@ def _interleaved(
 
 def bench_url(
     url: str,
-    workload: Workload | dict[str, Any] | str | Path,
+    workload: BenchWorkload | dict[str, Any] | str | Path,
     *,
     model: str | None = None,
     model_path: str | Path | None = None,
@@ -268,8 +268,8 @@ def bench_url(
     """Benchmark an OpenAI-compatible server at ``url``. ``model`` is the name to send (default:
     the first the server lists); ``model_path`` the model's files on this machine (metadata, and
     the tokenizer when ``tokenizer`` is not given: an HF directory or its ``tokenizer.json``)."""
-    from unillm._facts import machine
-    from unillm._model_path import hf_dir_in
+    from unillm._contract._facts import machine
+    from unillm._inspect._paths import hf_dir_in
 
     wl = load_workload(workload)
     tok_source = tokenizer or (hf_dir_in(model_path) if model_path else None)
@@ -307,7 +307,7 @@ def bench_url(
 
 
 async def _models(url: str, api_key: str | None) -> list[str]:
-    probe = HttpTarget(url, "", Workload(), api_key=api_key)
+    probe = HttpTarget(url, "", BenchWorkload(), api_key=api_key)
     try:
         return await probe.models()
     finally:

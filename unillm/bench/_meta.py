@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from unillm._errors import UnillmError
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
     from unillm._hardware import Hardware
     from unillm._inspect import ModelInfo
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from unillm._errors import ConfigError
-from unillm.bench._workload import Workload
+from unillm.bench._workload import BenchWorkload
 
 __all__ = ["BenchRequest", "Prompts", "Tokenizer"]
 
@@ -78,7 +78,7 @@ class Prompts:
     same request every time, so levels of a sweep send the same prompts."""
 
     def __init__(
-        self, workload: Workload, tokenizer: Tokenizer | None, *, vocab_size: int | None = None
+        self, workload: BenchWorkload, tokenizer: Tokenizer | None, *, vocab_size: int | None = None
     ) -> None:
         self.workload = workload
         self.tokenizer = tokenizer

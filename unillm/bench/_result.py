@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from unillm.bench._meta import BenchError, WorkloadMismatch, check_metadata
 from unillm.bench._metrics import RequestRecord, summarize
-from unillm.bench._workload import Workload
+from unillm.bench._workload import BenchWorkload
 
 if TYPE_CHECKING:
-    from unillm._plan import Plan
+    from unillm._plan._estimate import Plan
     from unillm.bench._runner import Level
 
 __all__ = ["SCHEMA", "build_result", "compare", "read_result", "version_changes", "write_result"]
@@ -73,7 +73,7 @@ def build_result(
     *,
     metadata: dict[str, Any],
     target: dict[str, Any],
-    workload: Workload,
+    workload: BenchWorkload,
     levels: Sequence[Level],
     output_enforcement: str,
     prompt_lengths_exact: bool,
@@ -148,7 +148,7 @@ def read_result(path: str | Path) -> dict[str, Any]:
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != SCHEMA:
         raise BenchError(f"{str(p)!r} is not a {SCHEMA} result (schema {schema!r})")
-    workload = Workload(**data["metadata"]["workload"])
+    workload = BenchWorkload(**data["metadata"]["workload"])
     for level in data["levels"]:
         records = [RequestRecord.from_dict(r) for r in level["records"]]
         level["summary"] = summarize(records, workload.slo, wall_s=level["summary"]["wall_s"])

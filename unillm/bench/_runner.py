@@ -24,7 +24,7 @@ from typing import Any
 from unillm.bench._metrics import RequestRecord, summarize
 from unillm.bench._prompts import Prompts
 from unillm.bench._targets import Target
-from unillm.bench._workload import Workload
+from unillm.bench._workload import BenchWorkload
 
 __all__ = ["Bench", "Level", "arrival_times", "rss_bytes"]
 
@@ -82,7 +82,7 @@ class Level:
     def __repr__(self) -> str:  # short: asyncio may repr a task's result, and records run long
         return f"<Level {self.label}: {len(self.records)} requests{' (partial)' if self.partial else ''}>"
 
-    def summary(self, workload: Workload) -> dict[str, Any]:
+    def summary(self, workload: BenchWorkload) -> dict[str, Any]:
         return summarize(self.records, workload.slo, wall_s=self.wall_s)
 
     @property
@@ -94,7 +94,7 @@ class Bench:
     """One benchmark of ``target`` under ``workload``: ``await bench.run()`` runs every level."""
 
     def __init__(
-        self, target: Target, workload: Workload, prompts: Prompts, *, progress: Progress | None = None
+        self, target: Target, workload: BenchWorkload, prompts: Prompts, *, progress: Progress | None = None
     ) -> None:
         self.target = target
         self.workload = workload

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from unillm.bench._metrics import RequestRecord
 from unillm.bench._prompts import BenchRequest
-from unillm.bench._workload import Workload
+from unillm.bench._workload import BenchWorkload
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
     from unillm._types import KVStats
 
 __all__ = ["STRUCTURED_SCHEMA", "EngineTarget", "HttpTarget", "Target"]
@@ -67,7 +67,7 @@ class EngineTarget(Target):
 
     kind = "engine"
 
-    def __init__(self, engine: Engine[Any], workload: Workload) -> None:
+    def __init__(self, engine: Engine[Any], workload: BenchWorkload) -> None:
         self.engine = engine
         self.workload = workload
         self.ignore_eos = "ignore_eos" in engine.capabilities.sampling and not workload.structured
@@ -147,7 +147,7 @@ class HttpTarget(Target):
         self,
         url: str,
         model: str,
-        workload: Workload,
+        workload: BenchWorkload,
         *,
         api_key: str | None = None,
         count_tokens: Callable[[str], int] | None = None,

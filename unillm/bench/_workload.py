@@ -1,6 +1,6 @@
 """A benchmark workload as data: what to send, how much of it, and how fast.
 
-A ``Workload`` is a validated pydantic model, built in Python or read from a TOML file (or a
+A ``BenchWorkload`` is a validated pydantic model, built in Python or read from a TOML file (or a
 Python file defining ``WORKLOAD``) with ``load_workload``. Every mistake in one is a
 ``ConfigError`` naming the field. It is recorded whole in every result, so two results can be
 compared only when their workloads are equal (``unillm bench compare`` checks).
@@ -16,12 +16,12 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from unillm._errors import ConfigError
-from unillm._params import _Validated
+from unillm._params import Validated
 
-__all__ = ["SLO", "Arrival", "Lengths", "Workload", "load_workload"]
+__all__ = ["SLO", "Arrival", "BenchWorkload", "Lengths", "Workload", "load_workload"]
 
 
-class Lengths(_Validated):
+class Lengths(Validated):
     """A distribution of token counts: ``fixed`` (``mean``), ``uniform`` (``min``..``max``,
     inclusive) or ``normal`` (``mean``, ``std``, clipped to ``min``..``max``)."""
 
@@ -62,7 +62,7 @@ def _lengths(value: Any) -> Any:
     )
 
 
-class Arrival(_Validated):
+class Arrival(Validated):
     """When requests are sent. ``closed``: each of ``concurrency`` clients sends its next request
     when its last one ends. ``poisson``: at ``rate`` requests per second, exponential gaps.
     ``gamma``: gamma-distributed gaps with mean 1/rate and shape ``burstiness`` (1 is Poisson,
@@ -72,7 +72,7 @@ class Arrival(_Validated):
     burstiness: float = Field(default=1.0, gt=0.0, description="Gamma shape (gamma process only).")
 
 
-class SLO(_Validated):
+class SLO(Validated):
     """Bounds a request must meet to count toward goodput; unset bounds are not checked."""
 
     ttft_ms: float | None = Field(default=None, gt=0)
@@ -80,7 +80,7 @@ class SLO(_Validated):
     e2e_ms: float | None = Field(default=None, gt=0)
 
 
-class Workload(_Validated):
+class BenchWorkload(Validated):
     """One benchmark workload. Its levels: one run per ``concurrency`` value (closed loop), or one
     per ``rates`` value (open loop, at most ``max_concurrency`` requests in flight when set)."""
 
@@ -133,7 +133,7 @@ class Workload(_Validated):
         return data
 
     @model_validator(mode="after")
-    def _consistent(self) -> Workload:
+    def _consistent(self) -> BenchWorkload:
         if self.requests is None and self.duration_s is None:
             raise ValueError("give requests (a count) or duration_s (seconds) per level")
         if self.requests is not None and self.duration_s is not None:
@@ -164,13 +164,18 @@ class Workload(_Validated):
         return json.loads(self.model_dump_json())
 
 
-def load_workload(source: str | Path | dict[str, Any] | Workload) -> Workload:
-    """A ``Workload`` from a TOML file, a Python file defining ``WORKLOAD`` (a ``Workload`` or a
-    dict), a dict, or a ``Workload`` itself. Raises ``ConfigError`` for a bad one."""
-    if isinstance(source, Workload):
+#: The name ``unillm.bench`` gave it first, kept: ``unillm.Workload`` is the planner's (context,
+#: concurrency, goal), this one a benchmark's (arrivals, lengths, levels, SLOs).
+Workload = BenchWorkload
+
+
+def load_workload(source: str | Path | dict[str, Any] | BenchWorkload) -> BenchWorkload:
+    """A ``BenchWorkload`` from a TOML file, a Python file defining ``WORKLOAD`` (a ``BenchWorkload`` or a
+    dict), a dict, or a ``BenchWorkload`` itself. Raises ``ConfigError`` for a bad one."""
+    if isinstance(source, BenchWorkload):
         return source
     if isinstance(source, dict):
-        return Workload(**source)
+        return BenchWorkload(**source)
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"workload file {str(path)!r} does not exist")
@@ -193,4 +198,4 @@ def load_workload(source: str | Path | dict[str, Any] | Workload) -> Workload:
     table = data.get("workload", data)
     if not isinstance(table, dict):
         raise ConfigError(f"{str(path)!r}: [workload] must be a table")
-    return Workload(**table)
+    return BenchWorkload(**table)

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from unillm._engine_chat import forced_params
+from unillm._chat._tools import ToolCallParseError, json_text, parse_tool_calls
+from unillm._contract._engine import forced_params
+from unillm._contract._run import afold
 from unillm._errors import ConfigError
-from unillm._run import afold
-from unillm._tools import ToolCallParseError, json_text, parse_tool_calls
 from unillm.server._anthropic_tools import input_json, read_anthropic_tools, tool_use_blocks, turns
-from unillm.server._generate import ApiError, sampling, stream
+from unillm.server._errors import ApiError
+from unillm.server._generate import sampling, stream
 from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
 
 # FastAPI reads the body models from the annotations at runtime

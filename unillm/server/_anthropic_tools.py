@@ -2,7 +2,7 @@
 
 Requests: ``tools`` (``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``,
 ``any``, ``tool`` with a ``name``, ``none``; ``disable_parallel_tool_use``) become OpenAI's shape,
-which ``unillm._tools`` reads for every route and backend; an assistant turn's ``tool_use`` blocks
+which ``unillm._chat._tools`` reads for every route and backend; an assistant turn's ``tool_use`` blocks
 become its ``tool_calls`` and a user turn's ``tool_result`` blocks become ``tool`` messages, so the
 model's own template renders them. Replies: the calls the model made as ``tool_use`` blocks (their
 ``input`` the parsed arguments), ``stop_reason`` ``tool_use``.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from unillm._tools import InvalidTools, ToolSpec, json_text, read_tools
-from unillm.server._generate import ApiError
+from unillm._chat._tools import InvalidTools, ToolSpec, json_text, read_tools
+from unillm.server._errors import ApiError
 from unillm.server._request import text_of
 
 if TYPE_CHECKING:

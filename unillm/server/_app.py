@@ -14,13 +14,14 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from unillm.server import _anthropic, _openai
 from unillm.server._config import ServerConfig
-from unillm.server._errors import error_response, install
-from unillm.server._generate import ApiError, RequestRecord
-from unillm.server._metrics import Metrics
+from unillm.server._errors import ApiError, error_response, install
+from unillm.server._generate import RequestRecord
 from unillm.server._pool import Pool
 from unillm.server._request import adapter_of, chat_prompt, engine_for, record_of, served_adapters
 from unillm.server._schemas import DetokenizeRequest, TokenizeRequest
+from unillm.server._state import State
 
 __all__ = ["State", "create_app"]
 
@@ -30,26 +31,12 @@ access = logging.getLogger("unillm.server.access")
 _OPEN = frozenset({"/health", "/ready"})
 
 
-class State:
-    """What the routes share: the config, the models, the metrics."""
-
-    def __init__(self, config: ServerConfig, pool: Pool) -> None:
-        self.config = config
-        self.pool = pool
-        self.metrics = Metrics(pool)
-        self.api_key = config.resolved_api_key()
-        # each served model's path, shown as its alias in any message a client sees
-        self.paths = {s.engine.model: s.alias for s in config.models}
-        self.load_error: str | None = None
-
-
 def create_app(config: ServerConfig, *, pool: Pool | None = None) -> FastAPI:
     """The server as an ASGI app (run it with uvicorn, or ``unillm serve``).
 
     Models not yet loaded when it starts load in the background (``/ready`` says when), unless
     ``config.lazy``: then each loads on its first request.
     """
-    from unillm.server import _anthropic, _openai
 
     pool = pool or Pool(config)
     state = State(config, pool)

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from unillm._errors import ConfigError
-from unillm._params import EngineConfig, _Validated
+from unillm._params import EngineConfig, Validated
 
 __all__ = ["ModelSpec", "ServerConfig", "read_server_config"]
 
@@ -39,7 +39,7 @@ _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _SERVER_KEYS = ("max_running", "max_queue")
 
 
-class ModelSpec(_Validated):
+class ModelSpec(Validated):
     """One served model: its alias, the engine config it loads from, and its admission limits."""
 
     alias: str = Field(description="The name clients pass as `model`.")
@@ -62,7 +62,7 @@ class ModelSpec(_Validated):
         return value
 
 
-class ServerConfig(_Validated):
+class ServerConfig(Validated):
     """How the server listens, what it accepts, and the models it serves."""
 
     models: tuple[ModelSpec, ...] = Field(description="The served models, one alias each.")
@@ -149,10 +149,10 @@ def read_server_config(path: str | os.PathLike[str] | None = None, **overrides: 
     data: dict[str, Any] = {}
     specs: list[ModelSpec] = []
     if path is not None:
-        from unillm._config import _read_toml_table
+        from unillm._config import read_toml_table
 
         source = Path(path)
-        data = _read_toml_table(source)
+        data = read_toml_table(source)
         tables = data.pop("models", {})
         if not isinstance(tables, Mapping):
             raise ConfigError(f"`models` in {str(source)!r} must be tables: [models.<alias>]")

@@ -38,7 +38,6 @@ from unillm._errors import (
     UnillmError,
     UnsupportedParameter,
 )
-from unillm.server._generate import ApiError
 from unillm.server._pool import Busy, UnknownModel
 
 if TYPE_CHECKING:
@@ -54,6 +53,28 @@ _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
     413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
 }  # fmt: skip
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, message, and the OpenAI ``type`` / ``param`` / ``code``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
 
 
 def public_message(exc: BaseException, paths: dict[str, str] | None) -> str:

@@ -10,41 +10,18 @@ from collections.abc import AsyncGenerator, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from unillm._contract._engine import ALWAYS_HANDLED
 from unillm._errors import ConfigError, UnsupportedParameter
 from unillm._types import SamplingParams
+from unillm.server._errors import ApiError
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
     from unillm._types import Chunk
-    from unillm.server._app import State
     from unillm.server._pool import Slot
+    from unillm.server._state import State
 
-__all__ = ["ApiError", "RequestRecord", "sampling", "stream"]
-
-# What the base class honours for every backend, listed in its capabilities or not.
-_ALWAYS = frozenset({"max_tokens", "stop"})
-
-
-class ApiError(Exception):
-    """An HTTP error answer: status, message, and the OpenAI ``type`` / ``param`` / ``code``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
+__all__ = ["RequestRecord", "sampling", "stream"]
 
 
 class RequestRecord:
@@ -87,7 +64,7 @@ def sampling(
     except ConfigError as exc:
         raise ApiError(400, str(exc), param=exc.fields[0] if len(exc.fields) == 1 else None) from exc
     supported = engine.capabilities.sampling
-    unsupported = [n for n in params.non_default() if n not in supported and n not in _ALWAYS]
+    unsupported = [n for n in params.non_default() if n not in supported and n not in ALWAYS_HANDLED]
     if unsupported:
         raise ApiError(
             400, str(UnsupportedParameter(engine.name, unsupported)), param=unsupported[0],

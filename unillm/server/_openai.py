@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from unillm._engine_chat import forced_params
+from unillm._chat._tools import ToolCallParseError, ToolSpec, openai_tool_call, parse_tool_calls
+from unillm._contract._engine import forced_params
+from unillm._contract._run import afold
 from unillm._errors import ConfigError
-from unillm._run import afold
-from unillm._tools import ToolCallParseError, ToolSpec, openai_tool_call, parse_tool_calls
 from unillm._types import Chunk
-from unillm.server._generate import ApiError, stream
-from unillm.server._logprobs import chat_logprobs, completion_logprobs
+from unillm.server._errors import ApiError
+from unillm.server._generate import stream
+from unillm.server._openai_logprobs import chat_logprobs, completion_logprobs
 from unillm.server._request import (
     chat_prompt,
     check_common,
@@ -38,7 +39,7 @@ from unillm.server._request import (
 from unillm.server._schemas import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
     from unillm._types import Completion, SamplingParams, Usage
 
 __all__ = ["router"]

@@ -15,11 +15,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from unillm._contract._loops import host_loop_for
 from unillm._errors import UnillmError
-from unillm._loops import host_loop_for
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
+    from unillm._contract._engine import Engine
     from unillm.server._config import ModelSpec, ServerConfig
 
 __all__ = ["Admission", "Busy", "Pool", "Slot", "UnknownModel"]
@@ -247,7 +247,7 @@ class Pool:
 
 
 def _load(config: Any) -> Engine[Any]:
-    from unillm._auto import load_engine
+    from unillm._choose._auto import load_engine
 
     return load_engine(config)
 
@@ -255,15 +255,14 @@ def _load(config: Any) -> Engine[Any]:
 def _fits_now(spec: ModelSpec) -> bool:
     """Whether the memory plan says ``spec``'s model fits in what this machine has free now.
     A model unillm cannot size counts as fitting: the load itself then decides."""
+    from unillm._choose._auto import workload_for
+    from unillm._choose._registry import default_registry
     from unillm._hardware import detect_hardware
-    from unillm._plan import Workload, plan
-    from unillm._plugins import default_registry
+    from unillm._plan._estimate import plan
 
     try:
         info = default_registry().inspect_model(spec.engine.model)
-        workload = Workload(
-            context_length=spec.engine.context_length or min(info.context_length or 4096, 4096)
-        )
+        workload = workload_for(spec.engine.model_copy(update={"concurrency": 1}), info)
         return plan(info, detect_hardware(), workload).fits
     except UnillmError:
         return True

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from unillm._chat._tools import InvalidTools, ToolSpec, read_tools
 from unillm._errors import ConfigError
-from unillm._tools import InvalidTools, ToolSpec, read_tools
-from unillm.server._generate import ApiError, RequestRecord, sampling
+from unillm.server._errors import ApiError
+from unillm.server._generate import RequestRecord, sampling
 
 if TYPE_CHECKING:
-    from unillm._engine import Engine
-    from unillm.server._app import State
+    from unillm._contract._engine import Engine
     from unillm.server._pool import Slot
     from unillm.server._schemas import ChatMessageIn, _Sampling
+    from unillm.server._state import State
 
 __all__ = [
     "chat_prompt", "check_common", "dumps", "engine_for", "openai_sampling", "read_request_tools",

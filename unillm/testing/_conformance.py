@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from unillm._engine import Engine
+from unillm._contract._engine import Engine
 from unillm._errors import EngineClosed
 from unillm._types import KVStats, SamplingParams
 

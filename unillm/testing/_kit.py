@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from unillm._engine import Engine
+from unillm._contract._engine import Engine
 from unillm._errors import (
     ConfigError,
     ContextLengthExceeded,

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from unillm._engine import Engine, Request
+from unillm._contract._engine import Engine, RequestState
 from unillm._errors import ContextLengthExceeded
 from unillm._types import Capabilities, EngineConfig, KVStats, SamplingParams
 
@@ -113,7 +113,7 @@ class MockEngine(Engine[Any]):
         return text
 
     def _stream(
-        self, prepared: str, params: SamplingParams, req: Request
+        self, prepared: str, params: SamplingParams, req: RequestState
     ) -> Iterator[tuple[str, tuple[int, ...], tuple[float, ...] | None]]:
         self.requests.append(prepared)
         req.prompt_tokens = len(self.tokenize(prepared))

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from unillm._engine import Engine
+from unillm._contract._engine import Engine
 from unillm._types import Completion, SamplingParams
 
 __all__ = ["Divergence", "ParityReport", "PromptParity", "check_parity"]

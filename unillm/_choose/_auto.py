@@ -1,0 +1,353 @@
+"""``auto_engine`` and ``load_engine``: from a model path or a config to a loaded engine.
+
+The model is inspected and the machine probed once; ``select()`` ranks every registered backend,
+built-in or plugin, by the same rule (its own ``suitability()`` plus the decision guide's bonus,
+docs/selection.md), and the best one that is installed is loaded with those facts
+(``engine.facts``). When a load fails, the backend's own fallback steps are walked, then the next
+backend is tried. The engine's ``selection`` records the candidates, why each was or was not
+taken, and every step. Nothing here names an engine: what is specific to one lives with it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from unillm._choose._registry import Registry, default_registry
+from unillm._choose._select import Candidate, Selection, _size, select
+from unillm._config import read_config
+from unillm._contract._context import resolve_context
+from unillm._contract._facts import Facts, machine
+from unillm._errors import (
+    BackendUnavailable,
+    ModelFormatError,
+    ModelLoadError,
+    ModelNotFound,
+    NoSuitableBackend,
+    OutOfMemory,
+    warn,
+)
+from unillm._inspect import ModelInfo
+from unillm._inspect._paths import model_formats
+from unillm._plan._estimate import Plan, Workload, plan
+from unillm._types import Fallback, normalize_name
+
+if TYPE_CHECKING:
+    from unillm._contract._engine import Engine
+    from unillm._hardware import Hardware
+    from unillm._types import Availability, EngineConfig
+
+__all__ = ["Candidate", "Choice", "Selection", "auto_engine", "choose", "load_engine", "workload_for"]
+
+
+def auto_engine(
+    model: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    context_length: int | None = None,
+    concurrency: int | None = None,
+    goal: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+    **config: Any,
+) -> Engine[Any]:
+    """Open ``model`` with the most suitable installed backend and return it loaded.
+
+    ``backend`` forces a backend; ``concurrency`` (requests at once) and ``goal`` (``latency``,
+    ``throughput``, ``cost``, ``portability``) describe the workload the selector chooses for;
+    ``options`` are the backend's load options; other keywords are ``EngineConfig`` fields.
+    ``UNILLM_*`` environment variables override all of these. The returned engine's
+    ``selection.explain()`` says what was chosen, for which workload, and why.
+
+    ``model`` is a GGUF file, an HF model directory, or a directory holding both side by side
+    (each backend reads the one it can).
+    """
+    cfg = read_config(
+        {"model": os.fspath(model)},
+        backend=backend,
+        context_length=context_length,
+        concurrency=concurrency,
+        goal=goal,
+        options=dict(options) if options else None,
+        **config,
+    )
+    return _open(cfg, registry or default_registry())
+
+
+def load_engine(
+    source: EngineConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    registry: Registry | None = None,
+    **overrides: Any,
+) -> Engine[Any]:
+    """Load the engine a config describes (an ``EngineConfig``, a dict or a TOML path)."""
+    return _open(read_config(source, **overrides), registry or default_registry())
+
+
+@dataclass
+class Choice:
+    """What ``auto_engine`` decides before it loads: the selection (every candidate and why), the
+    backends to try in order, and for each the model facts, workload and plan it is loaded with."""
+
+    selection: Selection
+    order: list[type[Engine[Any]]]
+    facts: dict[str, tuple[Any, Workload, Plan | None]]
+    hardware: Hardware | None
+
+
+def choose(
+    cfg: EngineConfig,
+    registry: Registry | None = None,
+    *,
+    hardware: Hardware | None = None,
+    available: Mapping[str, Availability] | None = None,
+) -> Choice:
+    """Choose the backend for ``cfg`` from the model's headers, as ``auto_engine`` does before it
+    loads: the one function ``auto_engine``, ``unillm select``, ``unillm generate``'s label and the
+    server call. ``hardware`` (a profile) and ``available`` (the backends a profile has installed)
+    replace this machine's; by default the machine is probed once per process."""
+    registry = registry or default_registry()
+    backends = registry.backends()
+    if available is None:
+        available = {name: info.availability() for name, info in backends.items()}
+    if hardware is None:
+        hardware = _machine()
+    guide = registry.guide()
+    if cfg.backend:
+        env_backend = os.environ.get("UNILLM_BACKEND", "")
+        by: Literal["config", "environment", "auto"] = (
+            "environment" if normalize_name(env_backend) == normalize_name(cfg.backend) else "config"
+        )
+        cls = registry.get(cfg.backend)
+        avail = available.get(cls.name) or cls.available()
+        if not avail.available:
+            raise BackendUnavailable(cls.name, avail.reason, avail.install_hint)
+        # A forced backend may read what unillm cannot inspect (a plugin's own format, a model
+        # name on a server): the backend itself reports a missing or unreadable model.
+        try:
+            model: Any = registry.inspect_model(cfg.model)
+        except (ModelFormatError, ModelNotFound):
+            model = _ModelRef(cfg.model, "unknown")
+        workload = workload_for(cfg, model)
+        the_plan = _plan(model, hardware, workload, getattr(cls, "memory", None))
+        selection = select(
+            hardware,
+            model,
+            workload,
+            backends,
+            available=available,
+            plan=the_plan,
+            requested=cls.name,
+            guide_entries=guide,
+        )
+        selection.chosen_by = by
+        mine = next((c for c in selection.candidates if c.name == cls.name), None)
+        problems = list(mine.blockers) if mine else []
+        if model.format == "unknown":  # unillm cannot tell: the backend will
+            problems = [p for p in problems if "does not read" not in p]
+        if problems:
+            note = f"{cls.name} was asked for, but the selector sees a problem: {'; '.join(problems)}"
+            warn(f"{note}; loading it anyway")
+            selection.steps.append(note)
+        return Choice(selection, [cls], {cls.name: (model, workload, the_plan)}, hardware)
+    # One selection per format the model is held in (a directory may hold an HF directory and
+    # a GGUF of the same weights): each backend is ranked on the format it reads.
+    per_format = []
+    for info in _inspect_all(cfg.model, registry):
+        wl = workload_for(cfg, info)
+        pl = _plan(info, hardware, wl)
+        sel = select(hardware, info, wl, backends, available=available, plan=pl, guide_entries=guide)
+        per_format.append((sel, info, wl, pl))
+    serving = (cfg.concurrency or 1) > 1 or cfg.goal == "throughput"
+    ranked = sorted(per_format, key=lambda s: _rank(s[0], registry, cfg, serving), reverse=True)
+    selection = ranked[0][0]
+    facts: dict[str, tuple[Candidate, ModelInfo, Workload, Plan | None]] = {}
+    for sel, info, wl, pl in ranked:
+        for c in sel.candidates:
+            if c.eligible and c.name not in facts:
+                facts[c.name] = (c, info, wl, pl)
+    if len(per_format) > 1:
+        # each backend as it stands on the format it reads
+        best = [f[0] for f in facts.values()]
+        rest = [c for c in selection.candidates if c.name not in facts]
+        selection.candidates = sorted(best, key=lambda c: -c.score) + rest
+        held = ", ".join(f"{info.format} ({info.path})" for _, info, _, _ in per_format)
+        selection.steps.append(f"the model directory holds {held}; each backend reads its own")
+        if selection.candidates and selection.candidates[0].eligible:
+            selection.backend = selection.candidates[0].name
+            selection.format = facts[selection.backend][1].format
+    order = [registry.get(c.name) for c in selection.candidates if c.eligible]
+    return Choice(selection, order, {n: f[1:] for n, f in facts.items()}, hardware)
+
+
+def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
+    choice = choose(cfg, registry)
+    selection = choice.selection
+    if not choice.order:
+        rejected = [(c.name, "; ".join(c.blockers)) for c in selection.candidates]
+        if selection.recommendation:
+            rejected.append(("recommended", selection.recommendation))
+        raise NoSuitableBackend(cfg.model, rejected)
+    last_error: Exception | None = None
+    for cls in choice.order:
+        selection.backend = cls.name
+        model, workload, the_plan = choice.facts[cls.name]
+        if not cfg.backend:
+            selection.format = model.format
+        try:
+            return _load_walking_down(cls, cfg, workload, selection, model, choice.hardware, the_plan)
+        except (OutOfMemory, ModelLoadError, BackendUnavailable) as exc:
+            if isinstance(exc, FileNotFoundError) or len(choice.order) == 1:
+                raise
+            selection.steps.append(f"{cls.name} failed to load: {_first_line(exc)}; trying the next backend")
+            last_error = exc
+    assert last_error is not None
+    raise last_error
+
+
+def _load_walking_down(
+    cls: type[Engine[Any]],
+    cfg: EngineConfig,
+    workload: Workload,
+    selection: Selection,
+    model: Any = None,
+    hardware: Hardware | None = None,
+    plan: Plan | None = None,
+) -> Engine[Any]:
+    """Load ``cls`` with what it is told (``Facts``); when that fails, walk the fallback steps the
+    backend declares (``Engine.fallbacks``), cheapest first, each on top of the ones before, so
+    as much of what was asked is kept as loads. A step the memory plan says still cannot fit is
+    skipped (but the last one is always tried: plans are estimates). Every step is recorded in
+    the selection; when none is left the error goes up and the caller tries the next backend."""
+    info = model if isinstance(model, ModelInfo) else None
+    facts = Facts(cfg.model, model=info, hardware=hardware, workload=workload, plan=plan)
+    current = cfg
+    steps: list[Fallback] | None = None
+    wl = workload
+    while True:
+        engine = cls(current)
+        engine.selection = selection
+        engine.facts = facts
+        try:
+            return engine.load()
+        except (OutOfMemory, ModelLoadError) as exc:
+            if steps is None:
+                steps = sorted(_declared(cls, cfg, facts, selection), key=lambda f: f.cost)
+            why = _first_line(exc)
+            left = [f for f in steps if f.answers(exc)]
+            if not left:
+                raise
+            while True:
+                step = left.pop(0)
+                steps.remove(step)
+                current = _apply(cls, current, step)
+                wl = replace(
+                    wl,
+                    context_length=step.context_length or wl.context_length,
+                    kv_cache_dtype=step.kv_cache_dtype or wl.kv_cache_dtype,  # type: ignore[arg-type]
+                )
+                step_plan = _plan(info, hardware, wl, getattr(cls, "memory", None))
+                if left and step_plan is not None and not step_plan.fits:
+                    selection.steps.append(
+                        f"{cls.name}: skipped {step.label}: the plan needs {_size(step_plan.total_bytes)} "
+                        f"and finds {_size(step_plan.total_bytes + step_plan.headroom_bytes)}"
+                    )
+                    continue
+                break
+            facts = Facts(cfg.model, model=info, hardware=hardware, workload=wl, plan=step_plan)
+            kind = "out of memory" if isinstance(exc, OutOfMemory) else "failed to load"
+            selection.steps.append(f"{cls.name}: {kind} ({why}); retrying with {step.label}")
+
+
+def _declared(
+    cls: type[Engine[Any]], cfg: EngineConfig, facts: Facts, selection: Selection
+) -> list[Fallback]:
+    """The backend's fallback steps; a plugin whose hook fails gets none (and a recorded step)."""
+    try:
+        return [f for f in cls.fallbacks(cfg, facts) if isinstance(f, Fallback)]
+    except Exception as exc:  # a plugin's bug must not hide the load error
+        selection.steps.append(f"{cls.name}: its fallbacks() failed ({exc!r}); no fallback steps")
+        return []
+
+
+def _apply(cls: type[Engine[Any]], cfg: EngineConfig, step: Fallback) -> EngineConfig:
+    update: dict[str, Any] = dict(step.config)
+    if step.options:
+        # under the backend's own table, so a step for one backend never reaches the next one
+        tables = dict(cfg.backend_options)
+        key = next((k for k in tables if normalize_name(k) == normalize_name(cls.name)), cls.name)
+        tables[key] = {**tables.get(key, {}), **step.options}
+        update["backend_options"] = tables
+    return cfg.model_copy(update=update)
+
+
+def _inspect_all(path: str, registry: Registry) -> list[ModelInfo]:
+    """The model's inspection, once per format it is held in side by side (usually one); a
+    plugin's inspection (``unillm_inspect_model``) comes first."""
+    formats = model_formats(path)
+    if len(formats) < 2:
+        return [registry.inspect_model(path)]
+    infos, first_error = [], None
+    for p in formats.values():
+        try:
+            infos.append(registry.inspect_model(p))
+        except (ModelFormatError, ModelNotFound) as exc:
+            first_error = first_error or exc
+    if not infos:
+        assert first_error is not None
+        raise first_error
+    return infos
+
+
+def _rank(selection: Selection, registry: Registry, cfg: EngineConfig, serving: bool) -> tuple[float, bool]:
+    """How a format's selection ranks against the model's other formats: its best score, then,
+    for several users or throughput, whether that backend batches requests with these options."""
+    best = next((c for c in selection.candidates if c.eligible), None)
+    if best is None:
+        return (float("-inf"), False)
+    return (best.score, _batches(registry.get(best.name), cfg) == serving)
+
+
+def _batches(cls: type[Engine[Any]], cfg: EngineConfig) -> bool:
+    """Whether ``cls`` loaded with ``cfg``'s options batches requests (``capabilities_for``)."""
+    try:
+        return cls.capabilities_for(cls._validate_options(cfg.options_for(cls.name))).batching
+    except Exception:  # options meant for another backend, or a plugin's bug
+        return cls.capabilities.batching
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _machine() -> Hardware | None:
+    """This machine, probed once per process (``unillm._contract._facts.machine``)."""
+    return machine()
+
+
+def workload_for(cfg: EngineConfig, model: Any) -> Workload:
+    """The workload ``cfg`` asks of ``model``: its context (``resolve_context``), concurrency and
+    goal."""
+    context, _ = resolve_context(cfg.context_length, getattr(model, "context_length", None))
+    return Workload(context_length=context, concurrency=cfg.concurrency or 1, goal=cfg.goal or "latency")
+
+
+def _plan(model: Any, hardware: Hardware | None, workload: Workload, engine: Any = None) -> Plan | None:
+    """The plan, with the backend's measured memory model (its ``memory``) once it is known."""
+    if hardware is None or not isinstance(model, ModelInfo):
+        return None
+    try:
+        return plan(model, hardware, workload, engine=engine)
+    except Exception:  # a plan is advice: its failure must not stop a load
+        return None
+
+
+@dataclass(frozen=True)
+class _ModelRef:
+    """What the selection knows about the model before full inspection: its path and format."""
+
+    path: str
+    format: str

@@ -1,0 +1,3 @@
+from unillm.cli import main
+
+main()

@@ -1,0 +1,243 @@
+"""``unillm bench``: benchmark engines in-process or a server over HTTP; ``unillm bench compare``.
+
+``unillm bench MODEL --backends llama.cpp,mlx`` runs one workload on each backend (each in its own
+format of the model's weights), writes one JSON result per backend, prints the table and draws
+the plots. ``unillm bench --url URL --model-path DIR`` does the same for an OpenAI-compatible
+server. ``unillm bench compare a.json b.json`` puts results side by side.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from unillm.cli._common import _bad, _console, _reported
+
+__all__ = ["bench_app"]
+
+_EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C: what was measured is written
+
+
+class _RunByDefault(TyperGroup):
+    """``unillm bench MODEL ...`` means ``unillm bench run MODEL ...``."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        elif not args:
+            args = ["run"]
+        return super().parse_args(ctx, args)
+
+
+bench_app = typer.Typer(
+    cls=_RunByDefault,
+    help="Benchmark engines (in-process, side by side) or an OpenAI-compatible URL; compare results. "
+    "`unillm bench MODEL ...` is `unillm bench run MODEL ...`.",
+)
+
+
+def _ints(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _bad(f"{what} takes comma-separated whole numbers, got {text!r}") from None
+
+
+def _floats(text: str | None, what: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _bad(f"{what} takes comma-separated numbers, got {text!r}") from None
+
+
+def _progress() -> tuple[Any, Any]:
+    """A rich progress bar on a terminal's stderr (and its callback); (None, None) elsewhere."""
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        return None, None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    tasks: dict[str, Any] = {}
+
+    def update(level: str, done: int, total: int | None) -> None:
+        if level not in tasks:
+            tasks[level] = bar.add_task(level, total=total)
+        bar.update(tasks[level], completed=done)
+
+    return bar, update
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower() or "x"
+
+
+@bench_app.command("run")
+def run_cmd(
+    model: Annotated[
+        str | None, typer.Argument(help="A .gguf file, an HF directory, or a directory holding both.")
+    ] = None,
+    backends: Annotated[
+        str | None, typer.Option(help="Comma-separated backends to run side by side.")
+    ] = None,
+    url: Annotated[str | None, typer.Option(help="An OpenAI-compatible server to benchmark instead.")] = None,
+    workload: Annotated[
+        Path | None, typer.Option(help="A workload file (TOML, or Python defining WORKLOAD).")
+    ] = None,
+    requests: Annotated[int | None, typer.Option(help="Requests per level.")] = None,
+    duration: Annotated[
+        float | None, typer.Option(help="Seconds per level, instead of a request count.")
+    ] = None,
+    concurrency: Annotated[str | None, typer.Option(help="Concurrency levels, e.g. 1,4,16.")] = None,
+    rate: Annotated[
+        str | None, typer.Option(help="Request rates per second (Poisson arrivals), e.g. 2,8.")
+    ] = None,
+    input_len: Annotated[int | None, typer.Option(help="Prompt tokens (fixed).")] = None,
+    output_len: Annotated[int | None, typer.Option(help="Output tokens (fixed).")] = None,
+    stream: Annotated[bool | None, typer.Option("--stream/--no-stream", help="Stream responses.")] = None,
+    chat: Annotated[bool, typer.Option(help="Send chat requests instead of completions.")] = False,
+    structured: Annotated[bool, typer.Option(help="Ask for JSON output under a small schema.")] = False,
+    warmup: Annotated[int | None, typer.Option(help="Unmeasured requests before each level.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the prompts and arrivals.")] = None,
+    context: Annotated[int | None, typer.Option(help="Context window to load engines with.")] = None,
+    model_path: Annotated[
+        Path | None, typer.Option(help="--url: the served model's files here (metadata, tokenizer).")
+    ] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="--url: an HF directory or tokenizer.json.")] = None,
+    served_model: Annotated[str | None, typer.Option(help="--url: the model name to send.")] = None,
+    engine: Annotated[str | None, typer.Option(help="--url: the server's engine name.")] = None,
+    engine_version: Annotated[str | None, typer.Option(help="--url: the server's engine version.")] = None,
+    price_per_hour: Annotated[
+        float | None, typer.Option(help="$/hour of the machine, for cost per 1M tokens.")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Directory for the JSON results and plots.")] = Path(
+        "bench-results"
+    ),
+    plots: Annotated[
+        bool, typer.Option("--plots/--no-plots", help="Draw PNG plots (needs matplotlib).")
+    ] = True,
+    interleave: Annotated[
+        bool,
+        typer.Option(help="Load every backend; run each level on each in turn (fairer on a shared machine)."),
+    ] = False,
+) -> None:
+    """Run a benchmark; one JSON result per engine under --out, the table on stdout.
+
+    Ctrl-C ends it early: what was measured is written, marked partial, and the exit status is 130.
+    """
+    from unillm.bench._api import bench_backends, bench_url
+    from unillm.bench._report import plot, table
+    from unillm.bench._result import write_result
+    from unillm.bench._workload import BenchWorkload, load_workload
+
+    if (model is None) == (url is None):
+        raise _bad("give a MODEL (with --backends) or --url, one of them")
+    with _reported():
+        base = load_workload(workload).as_dict() if workload else {}
+        overrides: dict[str, Any] = {
+            "requests": requests,
+            "duration_s": duration,
+            "concurrency": _ints(concurrency, "--concurrency"),
+            "rates": _floats(rate, "--rate"),
+            "input_len": input_len,
+            "output_len": output_len,
+            "stream": stream,
+            "warmup": warmup,
+            "seed": seed,
+        }
+        if chat:
+            overrides["mode"] = "chat"
+        if structured:
+            overrides["structured"] = True
+        if overrides["rates"] and "arrival" not in base:
+            overrides["arrival"] = {"process": "poisson"}
+        if duration is not None and requests is None:
+            base.pop("requests", None)
+        wl = BenchWorkload(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+        bar, update = _progress()
+        if bar is not None:
+            bar.start()
+        try:
+            if url is not None:
+                results = [
+                    bench_url(
+                        url, wl, model=served_model, model_path=model_path, tokenizer=tokenizer,
+                        engine_name=engine, engine_version=engine_version, price_per_hour=price_per_hour,
+                        progress=update,
+                    )
+                ]  # fmt: skip
+            else:
+                assert model is not None
+                names: list[str | None] = [b.strip() for b in (backends or "").split(",") if b.strip()]
+                results = bench_backends(
+                    model,
+                    names or [None],
+                    wl,
+                    context_length=context,
+                    price_per_hour=price_per_hour,
+                    progress=update,
+                    interleave=interleave,
+                )
+        finally:
+            if bar is not None:
+                bar.stop()
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        for result in results:
+            meta = result["metadata"]
+            engine_name = meta["engine"]["name"] or "server"
+            name = f"bench-{_slug(meta['model']['name'])}-{_slug(engine_name)}-{stamp}.json"
+            path = write_result(result, out / name)
+            note = " (partial: interrupted)" if result["partial"] else ""
+            _console(stderr=True).print(f"wrote {path}{note}", highlight=False)
+        print(table(results))
+        for result in results:
+            if not result["output_lengths"]["enforced"]:
+                how = result["output_lengths"]["how"]
+                print(f"note: {result['metadata']['engine']['name']}: output lengths {how}")
+        if plots:
+            for path in plot(results, out, stem=f"bench-{stamp}"):
+                _console(stderr=True).print(f"wrote {path}", highlight=False)
+    if any(r["partial"] for r in results):
+        raise typer.Exit(_EXIT_INTERRUPTED)
+
+
+@bench_app.command("compare")
+def compare_cmd(
+    results: Annotated[list[Path], typer.Argument(help="Result files (JSON) to put side by side.")],
+    force: Annotated[bool, typer.Option(help="Compare results whose workloads differ.")] = False,
+    plots: Annotated[Path | None, typer.Option(help="Also draw the plots into this directory.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the flags as JSON.")] = False,
+) -> None:
+    """Put results side by side; refuses different workloads unless --force, and flags engine,
+    driver, model or unillm version changes between runs (re-test after upgrades)."""
+    from unillm.bench._report import plot, table
+    from unillm.bench._result import compare, read_result
+
+    with _reported():
+        loaded = [read_result(p) for p in results]
+        notes = compare(loaded, force=force)
+    if as_json:
+        print(json.dumps({"flags": notes}))
+    else:
+        print(table(loaded))
+        for note in notes:
+            print(f"flag: {note}")
+    if plots is not None:
+        for path in plot(loaded, plots, stem="compare"):
+            _console(stderr=True).print(f"wrote {path}", highlight=False)

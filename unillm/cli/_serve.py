@@ -1,0 +1,156 @@
+"""``unillm serve``: the HTTP server (``unillm.server``) from the command line."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from unillm.cli._common import BackendOpt, OptionOpt, RunContextOpt, _bad, _console, _esc, _reported
+
+__all__ = ["serve"]
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def serve(
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="A .gguf file or model directory to serve; or give --config.", show_default=False
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="A server TOML: settings and \\[models.<alias>] tables (docs/server.md)."
+        ),
+    ] = None,
+    alias: Annotated[
+        str | None, typer.Option(help="The name clients pass as `model`; default: MODEL's name.")
+    ] = None,
+    backend: BackendOpt = None,
+    option: OptionOpt = None,
+    context: RunContextOpt = None,
+    concurrency: Annotated[
+        int | None, typer.Option(help="Requests you expect at once: the workload the backend is chosen for.")
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Address to bind (default 127.0.0.1: this machine only).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000); 0 picks a free one.")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="UNILLM_API_KEY", show_envvar=True, help="Require this Bearer key."),
+    ] = None,
+    max_queue: Annotated[int | None, typer.Option(help="Requests waiting per model; beyond: 429.")] = None,
+    max_running: Annotated[int | None, typer.Option(help="Requests a batching engine runs at once.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Most new tokens one request may ask for.")] = None,
+    max_body_bytes: Annotated[int | None, typer.Option(help="Largest request body; beyond: 413.")] = None,
+    lazy: Annotated[bool | None, typer.Option("--lazy", help="Load each model on its first request.")] = None,
+    ttl: Annotated[float | None, typer.Option(help="Unload a model idle this many seconds.")] = None,
+    max_loaded: Annotated[int | None, typer.Option(help="Models loaded at once (LRU goes first).")] = None,
+    grace: Annotated[float | None, typer.Option(help="Seconds in-flight requests get on shutdown.")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve models over the OpenAI (and Anthropic Messages) HTTP API."""
+    from unillm.cli._run import _loading, _parse_options
+    from unillm.server import Pool, default_alias, model_spec, read_server_config
+
+    if model is None and config is None:
+        raise _bad("give MODEL, or --config with [models.<alias>] tables")
+    opts = _parse_options(option)
+    with _reported():
+        specs = []
+        if model is not None:
+            from unillm import read_config
+
+            engine = read_config(None, model=model, backend=backend, context_length=context,
+                                 options=opts or None, concurrency=concurrency)  # fmt: skip
+            name = default_alias(engine.model) if alias is None else alias  # --alias "" is refused
+            specs.append(model_spec(name, engine.model_dump(exclude_unset=True)))
+        elif alias is not None or backend or opts or context or concurrency:
+            raise _bad("--alias, --backend, --option, --context and --concurrency go with MODEL; with "
+                       "--config, set them in the [models.<alias>] tables")  # fmt: skip
+        cfg = read_server_config(
+            config, models=specs, host=host, port=port, api_key=api_key, max_queue=max_queue,
+            max_running=max_running, max_tokens=max_tokens, max_body_bytes=max_body_bytes, lazy=lazy,
+            ttl_s=ttl, max_loaded=max_loaded, grace_s=grace,
+        )  # fmt: skip
+    _logging(log_level)
+    err = _console(stderr=True)
+    if cfg.host not in _LOOPBACK and not cfg.resolved_api_key():
+        err.print(f"[yellow]warning:[/] listening on {_esc(cfg.host)} without an API key: anyone who "
+                  "can reach it can use it (set --api-key or UNILLM_API_KEY)", highlight=False)  # fmt: skip
+    pool = Pool(cfg)
+    if not cfg.lazy:
+        with _reported():
+            for spec in cfg.models:
+                with _loading(spec.engine):
+                    pool.adopt(spec.alias, _load(spec.engine))
+    _run(cfg, pool)
+
+
+def _load(config: Any) -> Any:
+    from unillm import load_engine
+
+    return load_engine(config)
+
+
+def _run(cfg: Any, pool: Any) -> None:
+    import uvicorn
+
+    from unillm.server import create_app
+
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as exc:
+        pool_close(pool)
+        raise _bad(
+            f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}; pick another --port"
+        ) from exc
+    sock.listen(2048)  # connections queue from now on, before uvicorn starts serving them
+    bound = sock.getsockname()[1]
+    shown = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
+    aliases = ", ".join(s.alias for s in cfg.models)
+    print(
+        f"unillm serve: listening on http://{shown}:{bound}/v1 (models: {aliases})",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(cfg, pool=pool),
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=int(cfg.grace_s) if cfg.grace_s else None,
+            lifespan="on",
+        )
+    )
+    server.run(sockets=[sock])
+
+
+def pool_close(pool: Any) -> None:
+    import asyncio
+
+    asyncio.run(pool.close())
+
+
+def _logging(level: str) -> None:
+    value = logging.getLevelName(level.upper())
+    if not isinstance(value, int):
+        raise _bad(f"--log-level {level!r} is not one of debug, info, warning, error")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("unillm.server", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(value)
+        logger.propagate = False

@@ -1,0 +1,521 @@
+"""llama.cpp through llama-cpp-python: GGUF models on CPUs, Apple GPUs and one NVIDIA/AMD GPU.
+
+The adapter drives llama.cpp's token loop itself (evaluate, sample, decode one token) instead of
+``Llama.create_completion``, which re-detokenizes the whole completion at every token and so slows
+down as the output grows. Prefix reuse is explicit: the longest common prefix with what the KV
+cache already holds is kept, and the cached count is reported in ``Usage``. Prefill and decode
+times come from llama.cpp's own counters.
+
+Never across several GPUs (a hard rule): on a multi-GPU machine the model runs on ``main_gpu``.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from unillm import BackendUnavailable, ConfigError
+from unillm.backend import (
+    DEFAULT_CONTEXT,
+    STANDARD_SAMPLING,
+    Availability,
+    Capabilities,
+    Cost,
+    Engine,
+    EngineConfig,
+    EngineMemory,
+    Facts,
+    Fallback,
+    KVStats,
+    RawPiece,
+    RequestState,
+    SamplingParams,
+    Suitability,
+    TopLogprobs,
+    check_chat_template,
+    check_prompt,
+    compile_error,
+    compile_error_types,
+    eos_from_gguf_metadata,
+    gguf_chat_template,
+    gguf_in,
+    installed,
+    kv_dtype,
+    logprobs_from_logits,
+    resolve_context,
+    shared_prefix,
+)
+from unillm.backend.lora import one_adapter
+from unillm.engines.llamacpp._draft import Speculation, check_request, load_drafter, no_step
+from unillm.engines.llamacpp._grammar import add_grammar, eog_ids, grammar_for
+from unillm.engines.llamacpp._load import (
+    LlamaLog,
+    check_fits,
+    checked_header,
+    eval_error,
+    fewer_gpu_layers,
+    full_metadata,
+    gguf_adapter,
+    load_error,
+    model_shape,
+    no_chat_handlers,
+)
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+
+__all__ = ["LlamaCppEngine", "LlamaCppOptions"]
+
+INSTALL_HINT = (
+    "pip install 'unillm[llamacpp]'  (builds from source; for NVIDIA GPUs prefix "
+    'CMAKE_ARGS="-DGGML_CUDA=on", for AMD "-DGGML_HIP=on")'
+)
+# KV cache element type -> its ggml type id (llama.cpp's type_k / type_v); its size is unillm._inspect._kv's
+_GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
+
+
+# ---- options ----
+
+_MiB = 1 << 20
+
+# llama.cpp 0.3.36 (llama-cpp-python), f16 KV, n_ubatch 512, no flash attention (unillm's
+# defaults). At load it maps the weights and zeroes the whole KV buffer (both resident); its
+# compute buffer, which llama.cpp itself sizes at chunk x context x (4 x heads + 4) bytes of
+# scores and mask plus the activation rows (its log's "compute buffer size", checked on two
+# shapes), is reserved but touched only by the first long prefill. Beside it, ggml converts
+# the f32 scores to f16 to multiply them by the f16 V cache: 2 bytes more per score, of which
+# ~1.3 were resident (score_bytes 4 + 1.3).
+LLAMACPP_MEMORY = EngineMemory(runtime_bytes=24 * _MiB, prefill_chunk=512, score_bytes=5.3)
+
+
+class LlamaCppOptions(BaseModel):
+    """Load options of the llama.cpp backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_ctx: int | None = Field(
+        default=None,
+        ge=16,
+        description="Context length; default: the config's context_length, else "
+        f"min(the model's trained context, {DEFAULT_CONTEXT}).",
+    )
+    n_gpu_layers: int | Literal["auto"] | None = Field(
+        default=None,
+        description="Layers offloaded to the GPU; -1 = all. Default: all when this build of "
+        "llama.cpp can offload, 0 on CPU. 'auto' behaves as the default until the planner decides.",
+    )
+    main_gpu: int = Field(
+        default=0, ge=0, description="The one GPU used; llama.cpp never splits a model here."
+    )
+    n_threads: int | None = Field(
+        default=None, ge=1, description="Threads for decode; default: half the cores."
+    )
+    n_threads_batch: int | None = Field(
+        default=None, ge=1, description="Threads for prefill; default: all cores."
+    )
+    n_batch: int = Field(default=512, ge=1, description="Prompt tokens submitted per llama_decode call.")
+    n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch size.")
+    flash_attn: bool = Field(
+        default=False, description="Flash attention; turned on for a quantized KV cache."
+    )
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] = Field(default="f16", description="KV cache element type.")
+    use_mmap: bool = Field(default=True, description="Memory-map the weights.")
+    use_mlock: bool = Field(default=False, description="Lock the weights in RAM.")
+    seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
+    verbose: bool = Field(default=False, description="Let llama.cpp print its logs to stderr.")
+    allow_longer_context: bool = Field(
+        default=False,
+        description="Allow a context longer than the model was trained for (for RoPE-scaled models).",
+    )
+    skip_memory_check: bool = Field(
+        default=False,
+        description="Load even when the weights and KV cache look larger than the free RAM.",
+    )
+    draft_model: str | None = Field(default=None, description="Speculative: a draft GGUF or 'prompt-lookup'.")
+    num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step.")
+
+
+def llama_logprobs(ctx: Any, n_vocab: int, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+    """One token's logprobs from a llama.cpp context's last raw logits (``get_logits_ith(-1)``),
+    which the sampler chain's penalties, bias and temperature never touch (they work on a copy)."""
+    import numpy as np
+
+    return logprobs_from_logits(np.ctypeslib.as_array(ctx.get_logits_ith(-1), shape=(n_vocab,)), tok, k)
+
+
+class LlamaCppEngine(Engine[LlamaCppOptions]):
+    """GGUF models through llama-cpp-python."""
+
+    name: ClassVar[str] = "llama.cpp"
+    #: its memory as measured for the planner (measured: the comment above)
+    memory = LLAMACPP_MEMORY
+    formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        sampling=STANDARD_SAMPLING | {"response_format"},  # through llama.cpp's grammar sampler
+        lora=True,
+        devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
+        speculative=True,
+    )
+    Options: ClassVar[type[BaseModel]] = LlamaCppOptions
+    install_hint: ClassVar[str | None] = INSTALL_HINT
+
+    # ---- availability ----
+
+    @classmethod
+    def available(cls) -> Availability:
+        return installed(("llama_cpp", "llama-cpp-python"), hint=INSTALL_HINT)
+
+    @classmethod
+    def suitability(cls, hardware: Any, model: Any, workload: Any, plan: Any = None) -> Suitability:
+        fit = super().suitability(hardware, model, workload)
+        if fit.blockers:
+            return fit
+        # A hard rule of the field: llama.cpp never splits one model across several GPUs, so a
+        # model that needs more than the largest GPU holds is not for it on a multi-GPU machine.
+        gpus = getattr(hardware, "gpus", ()) or ()
+        if len(gpus) > 1 and plan is not None:
+            biggest = max(g.memory_total_bytes for g in gpus)
+            if plan.total_bytes > biggest:
+                gib = 2**30
+                return Suitability(
+                    fit.score,
+                    fit.reasons,
+                    (
+                        f"needs {plan.total_bytes / gib:.1f} GiB, more than one GPU "
+                        f"({biggest / gib:.1f} GiB) holds, and llama.cpp never splits a model across GPUs",
+                    ),
+                )
+        return Suitability(fit.score, (*fit.reasons, "uses one GPU at most (never split across GPUs)"))
+
+    @classmethod
+    def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
+        """The base steps (a shorter context), then llama.cpp's own: a q8_0 KV cache when the
+        options leave it at f16, and, on a machine with a GPU, fewer layers on it: what the plan
+        says fits (else half the model's layers, or half of an explicit ``n_gpu_layers``), then
+        half again down to 1."""
+        opts = config.options_for(cls.name)
+        steps = [*super().fallbacks(config, facts)]
+        if opts.get("kv_cache_type", "f16") == "f16":
+            steps.append(
+                Fallback(
+                    "kv_cache_type=q8_0", Cost.QUALITY, options={"kv_cache_type": "q8_0"}, kv_cache_dtype="q8"
+                )
+            )
+        hardware = facts.hardware
+        if hardware is not None and hardware.gpus:
+            for n in fewer_gpu_layers(opts.get("n_gpu_layers"), facts):
+                steps.append(Fallback(f"n_gpu_layers={n}", Cost.SPEED, options={"n_gpu_layers": n}))
+        return steps
+
+    @classmethod
+    def probe_build(cls, hardware: Any, findings: list[str]) -> Any:
+        from unillm.engines.llamacpp._build import build  # the build's devices, from its libraries
+
+        return build(hardware, findings)
+
+    # ---- load ----
+
+    def _load(self) -> None:
+        opts = self.options
+        self._path = gguf_in(self.config.model) or Path(self.config.model)
+        # what auto_engine read while choosing (or, built directly, read now): never re-read here
+        info = self.facts.model
+        header = checked_header(self.facts.gguf_header, self._path)  # ModelNotFound / ModelFormatError
+        shape = model_shape(info, header)
+        avail = self.available()
+        if not avail.available:
+            raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
+        try:
+            import llama_cpp
+        except (ImportError, OSError) as exc:
+            raise BackendUnavailable(self.name, f"llama_cpp failed to import: {exc}", INSTALL_HINT) from exc
+
+        if opts.n_ctx and self.config.context_length and opts.n_ctx != self.config.context_length:
+            raise ConfigError(
+                f"context_length={self.config.context_length} and options n_ctx={opts.n_ctx} "
+                "disagree; set only one"
+            )
+        trained = shape.trained_context
+        n_ctx = opts.n_ctx or resolve_context(self.config.context_length, trained)[0]
+        gpu_layers = opts.n_gpu_layers
+        if gpu_layers is None or gpu_layers == "auto":
+            gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
+        kv_type, dtype = _GGML_KV_TYPES[opts.kv_cache_type], kv_dtype(opts.kv_cache_type)
+        if gpu_layers == 0 and not opts.skip_memory_check:
+            check_fits(shape, n_ctx, dtype, self.config.model)
+        if trained and trained < n_ctx and not opts.allow_longer_context:
+            raise ConfigError(
+                f"context {n_ctx} is longer than the {trained} tokens {self.config.model!r} was "
+                "trained for, and past that its output degrades; use a context of at most "
+                f"{trained}, or set allow_longer_context=True if the model extends it (RoPE scaling)"
+            )
+        kwargs: dict[str, Any] = {
+            "n_ctx": n_ctx,
+            "n_gpu_layers": gpu_layers,
+            "split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE,  # one GPU, never split
+            "main_gpu": opts.main_gpu,
+            "n_batch": opts.n_batch,
+            "n_ubatch": min(opts.n_ubatch, opts.n_batch),
+            "flash_attn": opts.flash_attn or opts.kv_cache_type != "f16",
+            "type_k": kv_type,
+            "type_v": kv_type,
+            "use_mmap": opts.use_mmap,
+            "use_mlock": opts.use_mlock,
+            "verbose": opts.verbose,
+        }
+        if opts.n_threads:
+            kwargs["n_threads"] = opts.n_threads
+        if opts.n_threads_batch:
+            kwargs["n_threads_batch"] = opts.n_threads_batch
+        if opts.seed is not None:
+            kwargs["seed"] = opts.seed
+        if (lora := one_adapter(self.config, self.name)) is not None:  # scaled by its own alpha
+            kwargs.update(lora_path=str(gguf_adapter(lora, self.name, self.facts)), lora_scale=1.0)
+
+        own_template = self.config.chat_template is None
+        template = gguf_chat_template(header.metadata)
+        if own_template and template is not None:
+            check_chat_template(template, source=str(self._path))  # a broken one fails at load
+        with LlamaLog(llama_cpp) as log, no_chat_handlers(llama_cpp):
+            try:
+                llm = llama_cpp.Llama(model_path=str(self._path), **kwargs)
+            except compile_error_types() as exc:  # Llama() compiles the file's chat templates
+                raise compile_error(exc, str(self._path), loader="llama-cpp-python") from exc
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise load_error(exc, log.text(), header, self.config.model) from exc
+        metadata = full_metadata(llm, header, check_template=own_template, source=str(self._path))
+        self._llm: Llama = llm
+        self._draft = load_drafter(llama_cpp, opts.draft_model, opts.num_draft_tokens, kwargs, llm)
+        self._vocab = llm._model.vocab
+        self._eog: frozenset[int] | None = None  # llama.cpp's end-of-generation set, on first use
+        self._n_vocab = llm.n_vocab()
+        # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
+        # by the requested n_ctx: the usable context is the smaller of the two.
+        self._n_ctx = self.context_length = min(llm.n_ctx(), len(llm.input_ids))
+        self.vocab_size = self._n_vocab
+        self.eos_token_ids = eos_from_gguf_metadata(
+            metadata,
+            to_id=self._one_token,
+            vocab_size=self._n_vocab,
+        )
+        self._bos_text = (
+            llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
+            if llm.token_bos() >= 0
+            else ""
+        )
+        self._perf = llama_cpp.llama_perf_context
+        self._perf_reset = llama_cpp.llama_perf_context_reset
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes
+        self._queries = 0
+        self._hits = 0
+        self._kv_dtype = opts.kv_cache_type
+        self._kv_bytes_per_token = shape.kv_bytes_per_token(dtype)
+
+    # ---- stream ----
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        llm = self._llm
+        if isinstance(prompt, str):
+            # A chat template that already wrote the BOS text must not get a second BOS.
+            add_special = not (self._bos_text and prompt.startswith(self._bos_text))
+            ids = llm.tokenize(prompt.encode("utf-8"), add_bos=add_special, special=True)
+        else:
+            ids = list(prompt)  # the base class checked the ids against the vocabulary
+        check_prompt(ids, self._n_ctx, params.max_tokens)
+        if (fmt := params.output_format) is not None:
+            grammar_for(fmt)  # refused at the call, not at the first token
+        check_request(self._draft, params)  # what speculative decoding cannot do
+        return ids
+
+    def _stream(self, ids: list[int], params: SamplingParams, req: RequestState) -> Iterator[RawPiece]:
+        llm, ctx = self._llm, self._llm._ctx
+        n_prompt = len(ids)
+        req.prompt_tokens = n_prompt
+
+        # Keep the longest prefix the KV cache already holds; re-evaluate at least one token so
+        # the logits are fresh.
+        cached = shared_prefix(llm.input_ids[: llm.n_tokens], ids)
+        if cached and not ctx.kv_cache_seq_rm(-1, cached, -1):
+            cached = 0
+        llm.n_tokens = cached
+        req.cached_tokens = cached
+        self._queries += n_prompt
+        self._hits += cached
+
+        sampler = self._sampler(params)
+        perf_reset, perf = self._perf_reset, self._perf
+        perf_reset(ctx.ctx)
+        try:
+            llm.eval(ids[cached:])
+        except Exception as exc:
+            llm.n_tokens = 0
+            raise eval_error(exc) from exc
+        # llama.cpp books its timings when it synchronizes, i.e. at the next sample: the prefill's
+        # time is known after the first sample, each decode step's after the following one.
+        prefill_ms = -1.0
+
+        step = self._decode_step() if self._draft is None else no_step  # Speculation evaluates
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decode = decoder.decode
+        pieces = self._pieces
+        # the model's declared end-of-sequence set, never llama.cpp's guess by token name
+        stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        if params.response_format is not None:
+            # a finished grammar allows only llama.cpp's end-of-generation tokens, and accepting
+            # anything after it aborts the process: every one of them ends the output
+            stop_ids |= self._eog_ids()
+        want_lp, k = params.logprobs is not None, params.logprobs or 0
+        max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
+        n = 0
+        spec = None if self._draft is None else Speculation(llm, sampler, self._draft, max_tokens, req)
+        try:
+            while True:
+                tok = sampler.sample(ctx, -1) if spec is None else next(spec)
+                if prefill_ms < 0:
+                    p = perf(ctx.ctx)
+                    prefill_ms = p.t_p_eval_ms + p.t_eval_ms
+                if tok in stop_ids:
+                    req.finish_reason = "stop"
+                    return
+                piece = pieces.get(tok)
+                if piece is None:  # first sight of this token: ask llama.cpp once, then remember
+                    piece = pieces[tok] = llm.detokenize([tok])
+                n += 1
+                yield decode(piece), (tok,), llama_logprobs(ctx, self._n_vocab, tok, k) if want_lp else None
+                if n >= max_tokens:
+                    req.finish_reason = "length"
+                    return
+                step(tok)
+        finally:
+            if prefill_ms >= 0:
+                p = perf(ctx.ctx)
+                req.prefill_s = prefill_ms / 1000
+                req.decode_s = (p.t_p_eval_ms + p.t_eval_ms - prefill_ms) / 1000 + getattr(spec, "seconds", 0)
+            sampler.close()
+
+    def _decode_step(self) -> Any:
+        """A function that evaluates one sampled token: ``Llama.eval`` without its per-call
+        bookkeeping (a KV-cache trim, a Python loop over the batch), which costs a few percent of
+        a small model's decode step. Falls back to ``Llama.eval`` if the internals differ."""
+        import llama_cpp
+
+        llm = self._llm
+        batch = getattr(getattr(llm, "_batch", None), "batch", None)
+        if batch is None or not hasattr(batch, "token"):
+            return lambda tok: llm.eval((tok,))
+        batch.seq_id[0][0] = 0
+        batch.n_seq_id[0] = 1
+        batch.logits[0] = True
+        token, pos, input_ids = batch.token, batch.pos, llm.input_ids
+        decode, ctx = llama_cpp.llama_decode, llm._ctx.ctx
+
+        def step(tok: int) -> None:
+            n_past = llm.n_tokens
+            batch.n_tokens = 1
+            token[0] = tok
+            pos[0] = n_past
+            rc = decode(ctx, batch)
+            if rc != 0:
+                raise eval_error(RuntimeError(f"llama_decode returned {rc}"))
+            input_ids[n_past] = tok
+            llm.n_tokens = n_past + 1
+
+        return step
+
+    def _sampler(self, params: SamplingParams) -> Any:
+        from llama_cpp._internals import LlamaSampler
+
+        s = LlamaSampler()
+        fmt = params.output_format
+        if fmt is not None:  # first in the chain: every later sampler sees only allowed tokens
+            try:
+                add_grammar(s, self._vocab, fmt)
+            except BaseException:
+                s.close()
+                raise
+        if params.logit_bias:
+            s.add_logit_bias(self._n_vocab, {int(k): float(v) for k, v in params.logit_bias.items()})
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            s.add_penalties(
+                self._n_vocab,
+                64,
+                params.repetition_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
+            )
+        if params.temperature == 0.0:
+            s.add_greedy()
+            return s
+        seed = params.seed if params.seed is not None else self.options.seed
+        if params.top_k:
+            s.add_top_k(params.top_k)
+        if params.top_p < 1.0:
+            s.add_top_p(params.top_p, 1)
+        if params.min_p > 0.0:
+            s.add_min_p(params.min_p, 1)
+        s.add_temp(params.temperature)
+        s.add_dist(seed if seed is not None else 0xFFFFFFFF)  # LLAMA_DEFAULT_SEED: random
+        return s
+
+    def _eog_ids(self) -> frozenset[int]:
+        if self._eog is None:
+            self._eog = eog_ids(self._vocab, self._n_vocab)
+        return self._eog
+
+    def _one_token(self, text: str) -> int | None:
+        ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        return ids[0] if len(ids) == 1 else None
+
+    # ---- chat and tokenizer ----
+
+    def _chat_template(self) -> str | None:
+        return gguf_chat_template(self._llm.metadata)
+
+    def _special_tokens(self) -> dict[str, str]:
+        llm = self._llm
+
+        def text(tok: int) -> str:
+            return llm.detokenize([tok], special=True).decode("utf-8", "replace") if tok >= 0 else ""
+
+        return {"bos_token": text(llm.token_bos()), "eos_token": text(llm.token_eos())}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
+
+    # ---- kv_stats ----
+
+    def kv_stats(self) -> KVStats:
+        bpt = self._kv_bytes_per_token
+        used = self._llm.n_tokens
+        return KVStats(
+            capacity_tokens=self._n_ctx,
+            used_tokens=used,
+            bytes_per_token=bpt,
+            capacity_bytes=bpt * self._n_ctx if bpt else None,
+            used_bytes=bpt * used if bpt else None,
+            dtype=self._kv_dtype,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    def reset(self) -> None:
+        """Empty the KV cache (the next request evaluates its whole prompt)."""
+        with self._busy():
+            self._llm.reset()
+            self._llm._ctx.kv_cache_clear()
+
+    # ---- close ----
+
+    def _close(self) -> None:
+        llm = self.__dict__.pop("_llm", None)
+        if (draft := self.__dict__.pop("_draft", None)) is not None:
+            draft.close()
+        if llm is not None:
+            llm.close()
