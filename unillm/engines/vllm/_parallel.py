@@ -1,5 +1,5 @@
 """The vLLM backend's scale-out: tensor, pipeline and data parallel sizes and the executor, chosen and
-checked before vLLM starts. A pure function over data: no I/O, and vllm is never imported.
+checked before vLLM starts. A pure function over data: no I/O, and vllm (torch, ray) never imported.
 
 Tensor parallelism (tp) splits every layer's attention heads between GPUs and all-reduces after every
 layer: tp must divide the heads, and the KV heads must divide by tp or tp by them (vLLM then
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm import ConfigError
-from unillm.backend import tensor_parallel_ok  # not the kit: it imports pydantic, this module stays light
+from unillm.backend import tensor_parallel_ok
 
 if TYPE_CHECKING:
     from unillm import Hardware, ModelInfo
