@@ -79,12 +79,21 @@ async def _one(client: httpx.AsyncClient, path: str, body: dict[str, Any], chat:
 
 
 async def run_load(
-    base_url: str, body_for: Callable[[int], dict[str, Any]], n: int, concurrency: int, *, chat: bool = True
+    base_url: str,
+    body_for: Callable[[int], dict[str, Any]],
+    n: int,
+    concurrency: int,
+    *,
+    chat: bool = True,
+    keepalive: bool = True,
 ) -> tuple[list[Record], float]:
     """Send requests ``0..n-1`` (bodies from ``body_for``), ``concurrency`` at a time; return the
-    records in request order and the wall time from the first send to the last stream's end."""
+    records in request order and the wall time from the first send to the last stream's end.
+    ``keepalive=False`` opens a connection per request (for a server that mishandles reuse)."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency if keepalive else 0
+    )
     timeout = httpx.Timeout(600.0, connect=10.0)
     records: list[Record | None] = [None] * n
     counter = iter(range(n))

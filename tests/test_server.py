@@ -646,6 +646,44 @@ def test_metrics_count_exactly_what_the_clients_saw(server: Server, oai: openai.
     assert queries >= metric(after, "unillm:prefix_cache_hits_total", **LLAMA) >= 0 and queries > 0
 
 
+def test_concurrent_requests_sharing_a_prefix_are_batched_and_counted(
+    server: Server, oai: openai.OpenAI
+) -> None:
+    """The server loads llama.cpp batching (8 sequences unless the table says otherwise): requests
+    sent together run together, and one that shares a prefix with another is served from its
+    cells, which the usage and /metrics both count."""
+    shared = "You are a careful assistant who answers in one short sentence. " * 4
+    before = metrics(server.url)
+    first = oai.completions.create(model=ALIAS, prompt=shared + "First question?", max_tokens=4, **GREEDY)
+    results: list[Any] = [None] * 4
+
+    def ask(i: int) -> None:
+        results[i] = oai.completions.create(
+            model=ALIAS, prompt=shared + f"Question {i}?", max_tokens=4, **GREEDY
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in results]
+    # the shared text is most of each prompt (where it ends depends on how the question tokenizes)
+    assert all(c >= 0.9 * first.usage.prompt_tokens for c in cached), (cached, first.usage.prompt_tokens)
+
+    def counted() -> Any:
+        m = metrics(server.url)
+        return (
+            m
+            if _grown(m, before, "unillm:requests_total", route="/v1/completions", status="200") >= 5
+            else None
+        )
+
+    after = wait_until(counted, 10, "the five requests to be counted")
+    hits = _grown(after, before, "unillm:prefix_cache_hits_total", **LLAMA)
+    assert hits == sum(cached) + (first.usage.prompt_tokens_details.cached_tokens or 0)
+
+
 # ---- several models: a config file on two backends; TTL and LRU in-process ----
 
 

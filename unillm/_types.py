@@ -213,7 +213,9 @@ class KVStats:
     """The KV cache as the engine sees it. None means the engine cannot tell, never zero.
 
     ``capacity_tokens`` is what the cache can hold, ``used_tokens`` what it holds now;
-    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x bytes per element.
+    ``bytes_per_token`` = 2 x layers x kv_heads x head_dim x bytes per element. A batching engine
+    may say how many sequences run now (``running_sequences``) and the tokens each holds
+    (``sequence_tokens``).
     """
 
     capacity_tokens: int | None = None
@@ -227,6 +229,8 @@ class KVStats:
     dtype: str | None = None
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    running_sequences: int | None = None
+    sequence_tokens: tuple[int, ...] | None = None
 
     @property
     def prefix_hit_rate(self) -> float | None:

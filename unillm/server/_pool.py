@@ -27,6 +27,12 @@ __all__ = ["Admission", "Busy", "Pool", "Slot", "UnknownModel"]
 log = logging.getLogger("unillm.server")
 
 
+#: The concurrency a served model's engine is loaded for when its table sets none: what the
+#: selector plans and chooses for, and the sequences an engine that batches by it (llama.cpp's
+#: ``parallel``) decodes together; requests past it wait in the engine, up to max_running.
+SERVED_SEQUENCES = 8
+
+
 class UnknownModel(UnillmError, LookupError):
     """A request named a model that is not one of the server's aliases."""
 
@@ -190,8 +196,12 @@ class Pool:
         started = time.perf_counter()
         log.info("loading %s (%s)", slot.alias, slot.spec.engine.backend or "auto")
         # an engine that can run on this loop does (host_loop_for: vLLM), saving a hop a token
+        config = slot.spec.engine
+        if config.concurrency is None:  # a server's users come at once: say so to the engine
+            running = slot.spec.max_running or self.config.max_running
+            config = config.model_copy(update={"concurrency": min(running, SERVED_SEQUENCES)})
         with host_loop_for(asyncio.get_running_loop()):
-            engine = await asyncio.to_thread(self._loader, slot.spec.engine)
+            engine = await asyncio.to_thread(self._loader, config)
         self._installed(slot, engine)
         log.info("loaded %s on %s in %.1f s", slot.alias, engine.name, time.perf_counter() - started)
 

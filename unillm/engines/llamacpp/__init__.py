@@ -12,22 +12,22 @@ Never across several GPUs (a hard rule): on a multi-GPU machine the model runs o
 from __future__ import annotations
 
 import codecs
+import dataclasses
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from unillm import BackendUnavailable, ConfigError
 from unillm.backend import (
-    DEFAULT_CONTEXT,
     STANDARD_SAMPLING,
     Availability,
     Capabilities,
     Cost,
     Engine,
     EngineConfig,
-    EngineMemory,
     Facts,
     Fallback,
     KVStats,
@@ -48,8 +48,10 @@ from unillm.backend import (
     logprobs_from_logits,
     resolve_context,
     shared_prefix,
+    warn,
 )
 from unillm.backend.lora import one_adapter
+from unillm.engines.llamacpp._batch import Batcher, Job, context_params, finished
 from unillm.engines.llamacpp._draft import Speculation, check_request, load_drafter, no_step
 from unillm.engines.llamacpp._grammar import add_grammar, eog_ids, grammar_for
 from unillm.engines.llamacpp._load import (
@@ -64,11 +66,12 @@ from unillm.engines.llamacpp._load import (
     model_shape,
     no_chat_handlers,
 )
+from unillm.engines.llamacpp._options import LLAMACPP_MEMORY, LlamaCppOptions
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-__all__ = ["LlamaCppEngine", "LlamaCppOptions"]
+__all__ = ["LLAMACPP_MEMORY", "LlamaCppEngine", "LlamaCppOptions"]
 
 INSTALL_HINT = (
     "pip install 'unillm[llamacpp]'  (builds from source; for NVIDIA GPUs prefix "
@@ -76,67 +79,6 @@ INSTALL_HINT = (
 )
 # KV cache element type -> its ggml type id (llama.cpp's type_k / type_v); its size is unillm._inspect._kv's
 _GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
-
-
-# ---- options ----
-
-_MiB = 1 << 20
-
-# llama.cpp 0.3.36 (llama-cpp-python), f16 KV, n_ubatch 512, no flash attention (unillm's
-# defaults). At load it maps the weights and zeroes the whole KV buffer (both resident); its
-# compute buffer, which llama.cpp itself sizes at chunk x context x (4 x heads + 4) bytes of
-# scores and mask plus the activation rows (its log's "compute buffer size", checked on two
-# shapes), is reserved but touched only by the first long prefill. Beside it, ggml converts
-# the f32 scores to f16 to multiply them by the f16 V cache: 2 bytes more per score, of which
-# ~1.3 were resident (score_bytes 4 + 1.3).
-LLAMACPP_MEMORY = EngineMemory(runtime_bytes=24 * _MiB, prefill_chunk=512, score_bytes=5.3)
-
-
-class LlamaCppOptions(BaseModel):
-    """Load options of the llama.cpp backend."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    n_ctx: int | None = Field(
-        default=None,
-        ge=16,
-        description="Context length; default: the config's context_length, else "
-        f"min(the model's trained context, {DEFAULT_CONTEXT}).",
-    )
-    n_gpu_layers: int | Literal["auto"] | None = Field(
-        default=None,
-        description="Layers offloaded to the GPU; -1 = all. Default: all when this build of "
-        "llama.cpp can offload, 0 on CPU. 'auto' behaves as the default until the planner decides.",
-    )
-    main_gpu: int = Field(
-        default=0, ge=0, description="The one GPU used; llama.cpp never splits a model here."
-    )
-    n_threads: int | None = Field(
-        default=None, ge=1, description="Threads for decode; default: half the cores."
-    )
-    n_threads_batch: int | None = Field(
-        default=None, ge=1, description="Threads for prefill; default: all cores."
-    )
-    n_batch: int = Field(default=512, ge=1, description="Prompt tokens submitted per llama_decode call.")
-    n_ubatch: int = Field(default=512, ge=1, description="Physical micro-batch size.")
-    flash_attn: bool = Field(
-        default=False, description="Flash attention; turned on for a quantized KV cache."
-    )
-    kv_cache_type: Literal["f16", "q8_0", "q4_0"] = Field(default="f16", description="KV cache element type.")
-    use_mmap: bool = Field(default=True, description="Memory-map the weights.")
-    use_mlock: bool = Field(default=False, description="Lock the weights in RAM.")
-    seed: int | None = Field(default=None, description="Default sampling seed for requests that set none.")
-    verbose: bool = Field(default=False, description="Let llama.cpp print its logs to stderr.")
-    allow_longer_context: bool = Field(
-        default=False,
-        description="Allow a context longer than the model was trained for (for RoPE-scaled models).",
-    )
-    skip_memory_check: bool = Field(
-        default=False,
-        description="Load even when the weights and KV cache look larger than the free RAM.",
-    )
-    draft_model: str | None = Field(default=None, description="Speculative: a draft GGUF or 'prompt-lookup'.")
-    num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step.")
 
 
 def llama_logprobs(ctx: Any, n_vocab: int, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
@@ -192,6 +134,13 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         return Suitability(fit.score, (*fit.reasons, "uses one GPU at most (never split across GPUs)"))
 
     @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        """With ``parallel`` > 1 the engine batches (several sequences in one context)."""
+        if (getattr(options, "parallel", None) or 1) > 1:
+            return dataclasses.replace(cls.capabilities, batching=True)
+        return cls.capabilities
+
+    @classmethod
     def fallbacks(cls, config: EngineConfig, facts: Facts) -> Sequence[Fallback]:
         """The base steps (a shorter context), then llama.cpp's own: a q8_0 KV cache when the
         options leave it at f16, and, on a machine with a GPU, fewer layers on it: what the plan
@@ -241,12 +190,13 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             )
         trained = shape.trained_context
         n_ctx = opts.n_ctx or resolve_context(self.config.context_length, trained)[0]
+        parallel = self._parallel(opts)
         gpu_layers = opts.n_gpu_layers
         if gpu_layers is None or gpu_layers == "auto":
             gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
         kv_type, dtype = _GGML_KV_TYPES[opts.kv_cache_type], kv_dtype(opts.kv_cache_type)
         if gpu_layers == 0 and not opts.skip_memory_check:
-            check_fits(shape, n_ctx, dtype, self.config.model)
+            check_fits(shape, n_ctx * parallel, dtype, self.config.model)
         if trained and trained < n_ctx and not opts.allow_longer_context:
             raise ConfigError(
                 f"context {n_ctx} is longer than the {trained} tokens {self.config.model!r} was "
@@ -254,7 +204,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 f"{trained}, or set allow_longer_context=True if the model extends it (RoPE scaling)"
             )
         kwargs: dict[str, Any] = {
-            "n_ctx": n_ctx,
+            # batching: the sequences' context is made below; this one serves the tokenizer only
+            "n_ctx": n_ctx if parallel == 1 else min(n_ctx, 256),
             "n_gpu_layers": gpu_layers,
             "split_mode": llama_cpp.LLAMA_SPLIT_MODE_NONE,  # one GPU, never split
             "main_gpu": opts.main_gpu,
@@ -296,6 +247,23 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
         # by the requested n_ctx: the usable context is the smaller of the two.
         self._n_ctx = self.context_length = min(llm.n_ctx(), len(llm.input_ids))
+        self._batcher: Batcher | None = None
+        # what this engine does with the parallel it got (a draft model or LoRA: 1)
+        self.capabilities = type(self).capabilities_for(opts.model_copy(update={"parallel": parallel}))  # type: ignore[misc]
+        if parallel > 1:
+            self._n_ctx = self.context_length = n_ctx
+            params = context_params(
+                llama_cpp, llm.context_params, n_ctx=n_ctx * parallel, n_seq=min(2 * parallel, 256)
+            )
+            try:
+                self._batcher = Batcher(
+                    llama_cpp, llm._model, params, parallel=parallel, n_batch=opts.n_batch,
+                    n_vocab=llm.n_vocab(), decode_error=eval_error,
+                )  # fmt: skip
+            except (ValueError, RuntimeError, OSError) as exc:
+                llm.close()
+                raise load_error(exc, "", header, self.config.model) from exc
+
         self.vocab_size = self._n_vocab
         self.eos_token_ids = eos_from_gguf_metadata(
             metadata,
@@ -331,7 +299,59 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         check_request(self._draft, params)  # what speculative decoding cannot do
         return ids
 
+    def _parallel(self, opts: LlamaCppOptions) -> int:
+        """Sequences to batch: the option, else the config's concurrency; 1 (with a warning that
+        says why) for speculative decoding and LoRA, which run on the one-sequence path."""
+        asked = opts.parallel or max(1, min(self.config.concurrency or 1, 256))
+        if asked > 1 and (opts.draft_model or self.config.lora_adapters()):
+            why = "draft_model" if opts.draft_model else "a LoRA adapter"
+            warn(
+                f"llama.cpp: {asked} sequences at once (parallel) were asked, but {why} runs one "
+                "request at a time: batching is off for this engine"
+            )
+            return 1
+        return asked
+
     def _stream(self, ids: list[int], params: SamplingParams, req: RequestState) -> Iterator[RawPiece]:
+        if self._batcher is not None:
+            return self._stream_batched(ids, params, req)
+        return self._stream_one(ids, params, req)
+
+    def _stream_batched(
+        self, ids: list[int], params: SamplingParams, req: RequestState
+    ) -> Iterator[RawPiece]:
+        batcher = self._batcher  # close() drops the attribute while this stream may still run
+        assert batcher is not None
+        req.prompt_tokens = len(ids)
+        stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        if params.response_format is not None:
+            stop_ids |= self._eog_ids()  # as on the one-sequence path: a finished grammar ends here
+
+        def started(cached: int) -> None:
+            req.cached_tokens = cached
+
+        job = Job(
+            ids, self._sampler(params), stop_ids, min(params.max_tokens, self._n_ctx - len(ids)),
+            params.logprobs, on_start=started,
+        )  # fmt: skip
+        live = batcher.submit(job)
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        pieces, llm = self._pieces, self._llm
+        # the worker's events up to the last one; leaving early cancels the sequence
+        with closing(batcher.events(live, last=finished)) as events:  # type: ignore[type-var]
+            for tok, lp, finish in events:
+                if tok is None:
+                    req.finish_reason = "stop"
+                    return
+                piece = pieces.get(tok)
+                if piece is None:
+                    piece = pieces[tok] = llm.detokenize([tok])
+                yield decode(piece), (tok,), lp
+                if finish is not None:
+                    req.finish_reason = "length"
+                    return
+
+    def _stream_one(self, ids: list[int], params: SamplingParams, req: RequestState) -> Iterator[RawPiece]:
         llm, ctx = self._llm, self._llm._ctx
         n_prompt = len(ids)
         req.prompt_tokens = n_prompt
@@ -493,6 +513,22 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
     def kv_stats(self) -> KVStats:
         bpt = self._kv_bytes_per_token
+        if (batcher := self._batcher) is not None:
+            # the cells the sequences hold (running, and the kept prefixes), each sequence's
+            # counted in full: a prefix two share counts twice
+            capacity, used = self._n_ctx * batcher.parallel, batcher.used_cells
+            return KVStats(
+                capacity_tokens=capacity,
+                used_tokens=used,
+                bytes_per_token=bpt,
+                capacity_bytes=bpt * capacity if bpt else None,
+                used_bytes=bpt * used if bpt else None,
+                dtype=self._kv_dtype,
+                prefix_cache_queries=batcher.queries,
+                prefix_cache_hits=batcher.hits,
+                running_sequences=batcher.running,
+                sequence_tokens=batcher.sequence_tokens,
+            )
         used = self._llm.n_tokens
         return KVStats(
             capacity_tokens=self._n_ctx,
@@ -507,6 +543,9 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
 
     def reset(self) -> None:
         """Empty the KV cache (the next request evaluates its whole prompt)."""
+        if self._batcher is not None:
+            self._batcher.clear()
+            return
         with self._busy():
             self._llm.reset()
             self._llm._ctx.kv_cache_clear()
@@ -514,6 +553,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     # ---- close ----
 
     def _close(self) -> None:
+        if (batcher := self.__dict__.pop("_batcher", None)) is not None:
+            batcher.close()
         llm = self.__dict__.pop("_llm", None)
         if (draft := self.__dict__.pop("_draft", None)) is not None:
             draft.close()
