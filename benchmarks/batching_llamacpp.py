@@ -10,6 +10,11 @@ prompts. Contenders, each at 1, 4 and 8 streams started together on threads:
   greedy sampler and ``Llama.eval`` of each token), requests one after another: the single-stream
   reference, and what a plain llama-cpp-python user gets under concurrency.
 
+Each level's streams run on threads started for it, as a server's workers are; ``<name>-main`` is
+one stream on the main thread, a script's way and the leanest for the one-sequence paths:
+llama-cpp-python's CPU build runs OpenMP, and every thread that calls ``llama_decode`` gets a pool
+of its own (the batching engine decodes on its one worker thread either way).
+
 Rounds interleave (who goes first rotates). Aggregate throughput = generated tokens / (first
 submit -> last token); TTFT per stream = its first token - the common start. Models: the tiny
 bench model (~50 MB) and, with ``--large``, a ~100M-parameter Llama of random weights (f32 GGUF,
@@ -50,6 +55,20 @@ def large_model(root: Path) -> Any:
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=32000
     )
     return build_tiny_model(root / "tiny-large", spec)
+
+
+def run_main(generate: Any) -> dict[str, Any]:
+    """One prompt on this (long-lived) thread: the leanest single stream."""
+    t0 = perf_counter()
+    first, count = 0.0, 0
+    for k, _ in enumerate(generate(PROMPTS[0])):
+        if k == 0:
+            first = perf_counter()
+        count += 1
+    end = perf_counter()
+    if count != TOKENS:
+        sys.exit(f"the stream produced {count} tokens, want {TOKENS}")
+    return {"tok_s": TOKENS / (end - t0), "ttft_p50_s": first - t0, "ttft_max_s": first - t0}
 
 
 def run_streams(generate: Any, n: int) -> dict[str, Any]:
@@ -136,6 +155,8 @@ def main() -> None:
             for who in names[r % len(names) :] + names[: r % len(names)]:
                 for n in LEVELS:
                     samples.setdefault((who, n), []).append(run_streams(contenders[who], n))
+                # one stream on the main thread, the way a script calls it: no thread of its own
+                samples.setdefault((f"{who}-main", 1), []).append(run_main(contenders[who]))
         table: dict[str, Any] = {}
         for (who, n), runs in samples.items():
             table[f"{who}@{n}"] = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
@@ -148,6 +169,14 @@ def main() -> None:
         }
         ratios["batch/raw@1"] = statistics.median(
             b["tok_s"] / r["tok_s"] for b, r in zip(samples[("batch", 1)], samples[("raw", 1)], strict=True)
+        )
+        ratios["batch-main/raw-main@1"] = statistics.median(
+            b["tok_s"] / r["tok_s"]
+            for b, r in zip(samples[("batch-main", 1)], samples[("raw-main", 1)], strict=True)
+        )
+        ratios["serial-main/raw-main@1"] = statistics.median(
+            b["tok_s"] / r["tok_s"]
+            for b, r in zip(samples[("serial-main", 1)], samples[("raw-main", 1)], strict=True)
         )
         report["models"][name] = {
             "model": tiny_bench_model(model, gguf=True),

@@ -6,6 +6,9 @@ prefix, never runs on)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import closing
@@ -95,6 +98,44 @@ def test_eight_streams_at_once_give_the_tokens_each_gets_alone(sized: tuple[Tiny
     print("\n".join(diffs))
     assert sum(same) >= 0.95 * len(PROMPTS), diffs
     assert batched.kv_stats().running_sequences == 0
+
+
+WHOLE_STEP = """
+import json, sys, threading
+from unillm import SamplingParams
+from unillm.engines.llamacpp import LlamaCppEngine
+path, n_batch = sys.argv[1], int(sys.argv[2])
+greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+prompts = [f"Request {i} asks: " + " ".join(f"item{j}" for j in range(25)) for i in range(8)]
+opts = {"n_threads": 2, "n_batch": n_batch}
+with LlamaCppEngine(model=path, context_length=512, options={**opts, "parallel": 1}) as alone:
+    want = [list(alone.generate(p, greedy).token_ids) for p in prompts]
+    step_tokens = sum(len(alone.tokenize(p)) for p in prompts)
+got = [None] * 8
+with LlamaCppEngine(model=path, context_length=512, options={**opts, "parallel": 8}) as batched:
+    def run(i):
+        got[i] = list(batched.generate(prompts[i], greedy).token_ids)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+print(json.dumps({"same": sum(g == w for g, w in zip(got, want)), "step_tokens": step_tokens}))
+"""
+
+
+def test_prompts_filling_a_whole_step_together(tiny: TinyModel) -> None:
+    """Eight prompts of ~100 tokens arriving together fill one step (n_batch 512) past the small
+    context the engine's tokenizer runs on: the step holds what the batching context takes, and
+    every stream gets its own tokens. In a subprocess: a step larger than the context's n_batch
+    is an abort in llama.cpp (GGML_ASSERT), which would end this interpreter."""
+    out = subprocess.run(
+        [sys.executable, "-c", WHOLE_STEP, str(tiny.gguf_path), "512"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["step_tokens"] > 256 and result["same"] >= 0.95 * 8, result
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(sized: tuple[TinyModel, Any, Any]) -> None:

@@ -253,8 +253,9 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         if parallel > 1:
             self._n_ctx = self.context_length = n_ctx
             params = context_params(
-                llama_cpp, llm.context_params, n_ctx=n_ctx * parallel, n_seq=min(2 * parallel, 256)
-            )
+                llama_cpp, llm.context_params, n_ctx=n_ctx * parallel, n_seq=min(2 * parallel, 256),
+                n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
+            )  # fmt: skip
             try:
                 self._batcher = Batcher(
                     llama_cpp, llm._model, params, parallel=parallel, n_batch=opts.n_batch,

@@ -91,7 +91,8 @@ class Batcher(StepWorker):
         super().__init__()
         self._lc = llama_cpp
         self.parallel = parallel
-        self._n_batch = n_batch
+        # a step never holds more tokens than the context takes at once (past it llama.cpp aborts)
+        self._n_batch = min(n_batch, params.n_batch)
         self._n_vocab = n_vocab
         self._decode_error = decode_error
         self._ctx = LlamaContext(model=model, params=params, verbose=False)
@@ -284,12 +285,16 @@ class Batcher(StepWorker):
         self._ctx.close()
 
 
-def context_params(llama_cpp: Any, base: Any, *, n_ctx: int, n_seq: int) -> Any:
+def context_params(llama_cpp: Any, base: Any, *, n_ctx: int, n_seq: int, n_batch: int, n_ubatch: int) -> Any:
     """A copy of ``base`` (the ``Llama`` object's context parameters: threads, KV type, flash
-    attention, batch sizes) for ``n_seq`` sequences sharing ``n_ctx`` cells."""
+    attention) for ``n_seq`` sequences sharing ``n_ctx`` cells, ``n_batch`` tokens a step. The batch
+    sizes are set here, not copied: llama-cpp-python caps the ``Llama``'s at its own (small)
+    context, and a step of more tokens than the context's ``n_batch`` aborts the process."""
     params = llama_cpp.llama_context_params()
     ctypes.memmove(ctypes.byref(params), ctypes.byref(base), ctypes.sizeof(params))
     params.n_ctx = n_ctx
     params.n_seq_max = n_seq
     params.kv_unified = True
+    params.n_batch = n_batch
+    params.n_ubatch = min(n_ubatch, n_batch)
     return params
