@@ -58,8 +58,9 @@ def server(tiny_gguf: Path) -> Iterator[Server]:
 def guarded(tiny_gguf: Path) -> Iterator[Server]:
     if not HAS_LLAMA_CPP:
         pytest.skip("llama-cpp-python is not installed")
+    # one request at a time (--concurrency 1: llama.cpp without batching), so the queue fills
     s = start_server([str(tiny_gguf), "--backend", "llama.cpp", "--alias", ALIAS, "--api-key", KEY,
-                      "--max-queue", "1", "--max-body-bytes", "4096"])  # fmt: skip
+                      "--max-queue", "1", "--max-body-bytes", "4096", "--concurrency", "1"])  # fmt: skip
     yield s
     s.stop()
 
@@ -652,6 +653,8 @@ def test_concurrent_requests_sharing_a_prefix_are_batched_and_counted(
     """The server loads llama.cpp batching (8 sequences unless the table says otherwise): requests
     sent together run together, and one that shares a prefix with another is served from its
     cells, which the usage and /metrics both count."""
+    listed = oai.models.list().data[0].model_extra or {}
+    assert listed["backend"] == "llama.cpp" and listed["batching"] is True
     shared = "You are a careful assistant who answers in one short sentence. " * 4
     before = metrics(server.url)
     first = oai.completions.create(model=ALIAS, prompt=shared + "First question?", max_tokens=4, **GREEDY)

@@ -59,7 +59,7 @@ def serve(
 ) -> None:
     """Serve models over the OpenAI (and Anthropic Messages) HTTP API."""
     from unillm.cli._run import _loading, _parse_options
-    from unillm.server import Pool, default_alias, model_spec, read_server_config
+    from unillm.server import Pool, default_alias, model_spec, read_server_config, served_config
 
     if model is None and config is None:
         raise _bad("give MODEL, or --config with [models.<alias>] tables")
@@ -91,7 +91,7 @@ def serve(
         with _reported():
             for spec in cfg.models:
                 with _loading(spec.engine):
-                    pool.adopt(spec.alias, _load(spec.engine))
+                    pool.adopt(spec.alias, _load(served_config(spec, cfg)))
     _run(cfg, pool)
 
 

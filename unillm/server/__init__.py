@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from unillm.server._app import create_app
 from unillm.server._config import ModelSpec, ServerConfig, default_alias, model_spec, read_server_config
-from unillm.server._pool import Busy, Pool, UnknownModel
+from unillm.server._pool import Busy, Pool, UnknownModel, served_config
 
 __all__ = [
     "Busy",
@@ -24,4 +24,5 @@ __all__ = [
     "default_alias",
     "model_spec",
     "read_server_config",
+    "served_config",
 ]

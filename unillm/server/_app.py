@@ -267,8 +267,13 @@ def _log_access(scope: dict[str, Any], status: int, r: RequestRecord, total: flo
 
 
 def _served(engine: Any) -> dict[str, Any]:
-    """What a loaded model's engine honours, for clients that adapt (vLLM's ``max_model_len``, and
-    the sampling parameters its backend takes: anything else is a 400)."""
+    """What a loaded model's engine honours, for clients that adapt (vLLM's ``max_model_len``, the
+    sampling parameters its backend takes: anything else is a 400), and whether it batches."""
     if engine is None or not engine.loaded:
         return {}
-    return {"max_model_len": engine.context_length, "sampling": sorted(engine.capabilities.sampling)}
+    caps = engine.capabilities
+    return {
+        "max_model_len": engine.context_length,
+        "sampling": sorted(caps.sampling),
+        "batching": caps.batching,
+    }

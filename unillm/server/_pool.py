@@ -20,6 +20,7 @@ from unillm._errors import UnillmError
 
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
+    from unillm._types import EngineConfig
     from unillm.server._config import ModelSpec, ServerConfig
 
 __all__ = ["Admission", "Busy", "Pool", "Slot", "UnknownModel"]
@@ -31,6 +32,17 @@ log = logging.getLogger("unillm.server")
 #: selector plans and chooses for, and the sequences an engine that batches by it (llama.cpp's
 #: ``parallel``) decodes together; requests past it wait in the engine, up to max_running.
 SERVED_SEQUENCES = 8
+
+
+def served_config(spec: ModelSpec, server: ServerConfig) -> EngineConfig:
+    """The engine config a served model loads with: its table's, and when the table sets no
+    ``concurrency``, the users a server expects at once (``SERVED_SEQUENCES``, at most its
+    ``max_running``). One rule for ``unillm serve``'s loads at start and the pool's on demand."""
+    config = spec.engine
+    if config.concurrency is None:
+        running = spec.max_running or server.max_running
+        config = config.model_copy(update={"concurrency": min(running, SERVED_SEQUENCES)})
+    return config
 
 
 class UnknownModel(UnillmError, LookupError):
@@ -196,12 +208,8 @@ class Pool:
         started = time.perf_counter()
         log.info("loading %s (%s)", slot.alias, slot.spec.engine.backend or "auto")
         # an engine that can run on this loop does (host_loop_for: vLLM), saving a hop a token
-        config = slot.spec.engine
-        if config.concurrency is None:  # a server's users come at once: say so to the engine
-            running = slot.spec.max_running or self.config.max_running
-            config = config.model_copy(update={"concurrency": min(running, SERVED_SEQUENCES)})
         with host_loop_for(asyncio.get_running_loop()):
-            engine = await asyncio.to_thread(self._loader, config)
+            engine = await asyncio.to_thread(self._loader, served_config(slot.spec, self.config))
         self._installed(slot, engine)
         log.info("loaded %s on %s in %.1f s", slot.alias, engine.name, time.perf_counter() - started)
 
