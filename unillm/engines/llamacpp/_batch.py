@@ -98,7 +98,7 @@ class Batcher(StepWorker):
         self._ctx = LlamaContext(model=model, params=params, verbose=False)
         self._mem = llama_cpp.llama_get_memory(self._ctx.ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self._free = deque(range(params.n_seq_max))
+        self._free = self._all_ids()
         self._running: dict[int, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
         self._kept: OrderedDict[int, list[int]] = OrderedDict()  # seq id -> tokens its cells hold
@@ -261,6 +261,10 @@ class Batcher(StepWorker):
                 raise self._decode_error(RuntimeError(f"llama_decode returned {rc}"))
             return
 
+    def _all_ids(self) -> deque[int]:
+        """Every sequence id the context has, all free."""
+        return deque(range(self._ctx.params.n_seq_max))
+
     def _reset(self) -> None:
         for s in [*self._running.values(), *self._waiting]:
             s.job.sampler.close()
@@ -268,7 +272,7 @@ class Batcher(StepWorker):
         self._waiting.clear()
         self._kept.clear()
         self._lc.llama_memory_clear(self._mem, True)
-        self._free = deque(range(self._ctx.params.n_seq_max))
+        self._free = self._all_ids()
 
     def clear(self) -> None:
         """Drop the kept prefixes (on the worker thread, between steps)."""
