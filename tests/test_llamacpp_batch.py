@@ -6,6 +6,7 @@ prefix, never runs on)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -188,6 +189,39 @@ def test_a_cancelled_stream_frees_its_cells_and_leaves_the_others_alone(
     assert stats.running_sequences == 0  # the cancelled one runs on no longer
     batched.reset()
     assert batched.kv_stats().used_tokens == 0  # and holds no cells once the kept prefixes go
+
+
+def test_async_streams_join_the_batch_on_the_callers_loop_and_a_cancelled_one_leaves(
+    sized: tuple[TinyModel, Any, Any],
+) -> None:
+    """``astream`` on a batching engine reads the worker's events on the caller's loop: no thread
+    per request; cancelling a task mid-stream frees its sequence, the others' tokens unchanged."""
+    _, batched, alone = sized
+    prompts = PROMPTS[:PARALLEL]
+    want = [list(alone.generate(p, GREEDY).token_ids) for p in prompts]
+    threads: set[str] = set()
+
+    async def one(i: int, got: list[int], cut: asyncio.Event | None) -> None:
+        async for c in batched.astream(prompts[i], GREEDY):
+            got.extend(c.token_ids)
+            threads.update(t.name for t in threading.enumerate())
+            if cut is not None and len(got) == 3:
+                cut.set()
+                await asyncio.Event().wait()  # stalls here until cancelled
+
+    async def main() -> list[list[int]]:
+        got: list[list[int]] = [[] for _ in prompts]
+        cut = asyncio.Event()
+        tasks = [asyncio.create_task(one(i, got[i], cut if i == 0 else None)) for i in range(len(prompts))]
+        await cut.wait()
+        tasks[0].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return got
+
+    got = asyncio.run(main())
+    assert got[0] == want[0][:3] and got[1:] == want[1:]
+    assert not any(name.startswith("unillm-astream") for name in threads), threads
+    assert batched.kv_stats().running_sequences == 0
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_streams_steps(

@@ -22,11 +22,11 @@ from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
 from unillm._plan._estimate import Workload, plan
-from unillm.backend import Facts
+from unillm.backend import Facts, Mailbox
 from unillm.engines import vllm as backend
 from unillm.engines.vllm import VLLMEngine
 from unillm.engines.vllm._args import model_dir
-from unillm.engines.vllm._runtime import EngineLoop, Mailbox, OutputCapture
+from unillm.engines.vllm._runtime import EngineLoop, OutputCapture
 from unillm.engines.vllm._start import load_error, weights_dtype
 from unillm.testing import TinyModel, check_closed
 

@@ -7,6 +7,10 @@ batching) and routes each step's events to their callers. A caller that stops ea
 and its request leaves the engine at the next step. A step that raises fails the requests in
 flight (the engine's state is suspect) and the worker carries on with a reset engine.
 
+An async caller ``asubmit``s on its event loop and reads with ``aevents``: the worker hands that
+request's events to the loop through the loop's ``Mailbox``, one wake-up per step for all the
+requests the loop has in flight, with no thread of the caller's own in between.
+
 Other threads never touch the engine: they ``call`` a function, which the worker runs between
 two steps. A lock shared with the worker would not do: the worker takes it again straight after
 each step, and Python's locks are not fair, so a reader could wait out a whole generation.
@@ -14,33 +18,91 @@ each step, and Python's locks are not fair, so a reader could wait out a whole g
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
 from unillm._errors import EngineClosed
 
-__all__ = ["Live", "StepWorker"]
+__all__ = ["Live", "Mailbox", "Mailboxes", "StepWorker"]
 
 T = TypeVar("T")
 #: the longest a worker waking from idle waits for more arrivals (see ``StepWorker.gather_s``)
 GATHER_MAX_S = 0.02
 
 
+class Mailbox:
+    """Hands items from another thread to one consumer event loop.
+
+    Items posted while a delivery is pending ride along with it, so the consumer loop wakes once
+    per engine step however many of its requests produced something in that step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._lock = threading.Lock()
+
+    def post(self, to: asyncio.Queue[Any], item: Any) -> None:
+        with self._lock:
+            self._items.append((to, item))
+            if len(self._items) > 1:
+                return  # a delivery is already scheduled
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            with self._lock:
+                self._items.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for to, item in items:
+            to.put_nowait(item)
+
+
+class Mailboxes:
+    """One ``Mailbox`` per consumer loop, made on first use (forgotten with the loop)."""
+
+    def __init__(self) -> None:
+        self._boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def of(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        with self._lock:
+            box = self._boxes.get(loop)
+            if box is None:
+                box = self._boxes[loop] = Mailbox(loop)
+            return box
+
+
 class Live:
     """One request inside a worker: what was submitted, its key in the engine once added, and
-    the queue its events (or the exception that ended it) arrive on."""
+    where its events (or the exception that ended it) go: a thread-safe queue for a sync caller,
+    an ``asyncio.Queue`` reached through the caller loop's mailbox for an async one."""
 
-    __slots__ = ("events", "key", "payload")
+    __slots__ = ("events", "key", "payload", "post")
 
-    def __init__(self, payload: Any) -> None:
+    def __init__(self, payload: Any, mailbox: Mailbox | None = None) -> None:
         self.payload = payload
         self.key: int | None = None
-        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.events: Any = queue.SimpleQueue() if mailbox is None else asyncio.Queue()
+        self.post = None if mailbox is None else mailbox.post
+
+    def put(self, item: Any) -> None:
+        """Hand ``item`` to the caller (from the worker thread)."""
+        if self.post is None:
+            self.events.put(item)
+        else:
+            self.post(self.events, item)
 
 
 class StepWorker:
@@ -60,6 +122,7 @@ class StepWorker:
         self._closed = False
         self._ident: int | None = None  # the worker thread, once it runs
         self._finished = threading.Event()
+        self._mailboxes = Mailboxes()
 
     def _start(self) -> None:
         """Run the worker loop on a thread of its own (a subclass may reuse a pooled thread)."""
@@ -96,9 +159,16 @@ class StepWorker:
     # ---- called from any thread ----
 
     def submit(self, payload: Any) -> Live:
+        """Send a request from a sync caller; read it with ``events``."""
+        return self._send(Live(payload))
+
+    def asubmit(self, payload: Any) -> Live:
+        """Send a request from a coroutine on the running loop; read it with ``aevents``."""
+        return self._send(Live(payload, self._mailboxes.of(asyncio.get_running_loop())))
+
+    def _send(self, live: Live) -> Live:
         if self._closed:
             raise EngineClosed("the engine is closed")
-        live = Live(payload)
         self._inbox.put(("add", live))
         self._wake.set()
         return live
@@ -117,6 +187,23 @@ class StepWorker:
         try:
             while True:
                 event = live.events.get()
+                if isinstance(event, BaseException):
+                    finished = True
+                    raise event
+                finished = last(event)
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(live)
+
+    async def aevents(self, live: Live, last: Callable[[Any], bool]) -> AsyncIterator[Any]:
+        """``events`` for a request sent with ``asubmit``, on its loop."""
+        finished = False
+        try:
+            while True:
+                event = await live.events.get()
                 if isinstance(event, BaseException):
                     finished = True
                     raise event
@@ -179,20 +266,20 @@ class StepWorker:
             except Exception as exc:
                 self._reset()
                 for failed in self._live.values():
-                    failed.events.put(exc)
+                    failed.put(exc)
                 self._live.clear()
                 continue
             for key, event, last in events:
                 target = self._live.get(key)
                 if target is None:
                     continue
-                target.events.put(event)
+                target.put(event)
                 if last:
                     del self._live[key]
         self._shutdown()
         self._drain_after_close()
         for orphan in self._live.values():
-            orphan.events.put(EngineClosed("the engine was closed while this request ran"))
+            orphan.put(EngineClosed("the engine was closed while this request ran"))
         self._live.clear()
 
     def _gather(self) -> None:
@@ -226,7 +313,7 @@ class StepWorker:
             try:
                 live.key = self._add(live.payload)
             except Exception as exc:
-                live.events.put(exc)
+                live.put(exc)
                 continue
             self._live[live.key] = live
 
@@ -237,4 +324,4 @@ class StepWorker:
             if kind == "call":
                 item[1].set_exception(EngineClosed(closed))
             elif kind == "add":
-                item.events.put(EngineClosed(closed))
+                item.put(EngineClosed(closed))

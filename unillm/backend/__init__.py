@@ -52,7 +52,9 @@ Structured output, LoRA, builds
 Batching engines
     ``StepWorker`` and ``Live``: a worker thread that owns an engine object which is not
     thread-safe and serves many callers through it (continuous batching); ``StepWorker.events``
-    is the caller's side, the loop every batching ``_stream`` runs. ``host_loop()``: the event
+    is the caller's side, the loop every batching ``_stream`` runs (``asubmit``/``aevents`` for an
+    async caller: no thread of its own); ``Mailbox``/``Mailboxes``: a thread's hand-over to an
+    event loop, one wake-up per step for all the loop's requests. ``host_loop()``: the event
     loop the application will consume the engine's async streams on, when the loading code said
     so (``unillm serve`` does): an asyncio-native engine may run there instead of on a loop of
     its own (the vLLM backend does), which saves a thread hop per token.
@@ -78,7 +80,7 @@ from unillm._contract._logprobs import from_logprobs as logprobs_from_logprobs
 from unillm._contract._logprobs import top_k as top_k_logprobs
 from unillm._contract._loops import host_loop
 from unillm._contract._run import RawPiece, Request, RequestState, TopLogprobs
-from unillm._contract._worker import Live, StepWorker
+from unillm._contract._worker import Live, Mailbox, Mailboxes, StepWorker
 from unillm._errors import warn
 from unillm._hardware import EngineBuild
 from unillm._hardware._quick import available_ram_bytes, gpu_present
@@ -120,6 +122,8 @@ __all__ = [
     "GuideEntry",
     "KVStats",
     "Live",
+    "Mailbox",
+    "Mailboxes",
     "Messages",
     "NoOptions",
     "OutputFormat",

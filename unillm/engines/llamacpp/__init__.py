@@ -11,9 +11,10 @@ Never across several GPUs (a hard rule): on a multi-GPU machine the model runs o
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -51,7 +52,7 @@ from unillm.backend import (
     warn,
 )
 from unillm.backend.lora import one_adapter
-from unillm.engines.llamacpp._batch import Batcher, Job, context_params, finished
+from unillm.engines.llamacpp._batch import Batcher, Event, Job, context_params, finished
 from unillm.engines.llamacpp._draft import Speculation, check_request, load_drafter, no_step
 from unillm.engines.llamacpp._grammar import add_grammar, eog_ids, grammar_for
 from unillm.engines.llamacpp._load import (
@@ -323,6 +324,37 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     ) -> Iterator[RawPiece]:
         batcher = self._batcher  # close() drops the attribute while this stream may still run
         assert batcher is not None
+        job, read = self._job(ids, params, req)
+        # the worker's events up to the last one; leaving early cancels the sequence
+        with closing(batcher.events(batcher.submit(job), last=finished)) as events:  # type: ignore[type-var]
+            for event in events:
+                if (piece := read(event)) is not None:
+                    yield piece
+
+    async def _astream(
+        self, ids: list[int], params: SamplingParams, req: RequestState
+    ) -> AsyncGenerator[RawPiece, None]:
+        """``_stream_batched`` on the caller's loop: the worker hands each step's tokens to the
+        loop directly, with no thread per request in between."""
+        batcher = self._batcher
+        assert batcher is not None  # only a batching engine streams natively
+        if params.response_format is not None:  # its grammar compiles off the loop
+            job, read = await asyncio.to_thread(self._job, ids, params, req)
+        else:
+            job, read = self._job(ids, params, req)
+        events = batcher.aevents(batcher.asubmit(job), last=finished)
+        try:
+            async for event in events:  # type: ignore[attr-defined]
+                if (piece := read(event)) is not None:
+                    yield piece
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    def _job(
+        self, ids: list[int], params: SamplingParams, req: RequestState
+    ) -> tuple[Job, Callable[[Event], RawPiece | None]]:
+        """A request for the batcher, and what turns each of its events into a piece (None for
+        the end of a stopped sequence), filling ``req``."""
         req.prompt_tokens = len(ids)
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         if params.response_format is not None:
@@ -335,22 +367,21 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             ids, self._sampler(params), stop_ids, min(params.max_tokens, self._n_ctx - len(ids)),
             params.logprobs, on_start=started,
         )  # fmt: skip
-        live = batcher.submit(job)
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         pieces, llm = self._pieces, self._llm
-        # the worker's events up to the last one; leaving early cancels the sequence
-        with closing(batcher.events(live, last=finished)) as events:  # type: ignore[type-var]
-            for tok, lp, finish in events:
-                if tok is None:
-                    req.finish_reason = "stop"
-                    return
-                piece = pieces.get(tok)
-                if piece is None:
-                    piece = pieces[tok] = llm.detokenize([tok])
-                yield decode(piece), (tok,), lp
-                if finish is not None:
-                    req.finish_reason = "length"
-                    return
+
+        def read(event: Event) -> RawPiece | None:
+            tok, lp, finish = event
+            if finish is not None:
+                req.finish_reason = finish
+            if tok is None:
+                return None
+            piece = pieces.get(tok)
+            if piece is None:
+                piece = pieces[tok] = llm.detokenize([tok])
+            return decode(piece), (tok,), lp
+
+        return job, read
 
     def _stream_one(self, ids: list[int], params: SamplingParams, req: RequestState) -> Iterator[RawPiece]:
         llm, ctx = self._llm, self._llm._ctx

@@ -38,7 +38,6 @@ import multiprocessing
 import os
 import queue
 import sys
-import threading
 import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
@@ -63,6 +62,7 @@ from unillm.backend import (
     EngineMemory,
     Facts,
     KVStats,
+    Mailboxes,
     Messages,
     RequestState,
     SamplingParams,
@@ -82,7 +82,7 @@ from unillm.engines.vllm._build import vllm_build
 from unillm.engines.vllm._lora import LoraRequests, lora_engine_args
 from unillm.engines.vllm._options import VLLMOptions
 from unillm.engines.vllm._parallel import CPU_BIND_VAR, ParallelPlan
-from unillm.engines.vllm._runtime import EngineLoop, KVNumbers, Mailbox, OutputCapture
+from unillm.engines.vllm._runtime import EngineLoop, KVNumbers, OutputCapture
 from unillm.engines.vllm._sampling import Piece, piece, sampling_params
 from unillm.engines.vllm._start import import_vllm, numa_nodes, quiet_vllm_logger, start
 
@@ -223,10 +223,7 @@ class VLLMEngine(Engine[VLLMOptions]):
         self._numbers = numbers
         self._engine = engine
         self._loras = LoraRequests(self.config)
-        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._mailbox_lock = threading.Lock()
+        self._mailboxes = Mailboxes()  # one per loop that streams from this engine
         tok = engine.tokenizer
         self._tok = tok
         self._template = hf_chat_template(path)
@@ -344,7 +341,9 @@ class VLLMEngine(Engine[VLLMOptions]):
         q: asyncio.Queue[Any] = asyncio.Queue()
         here = asyncio.get_running_loop()
         # on the engine's own loop (hosted there) the request hands its pieces straight over
-        post = q.put_nowait if here is self._loop.loop else functools.partial(self._mailbox(here).post, q)
+        post = (
+            q.put_nowait if here is self._loop.loop else functools.partial(self._mailboxes.of(here).post, q)
+        )
         future = self._submit(self._pump(ids, sp, lora, req, post))
         try:
             while (item := await q.get()) is not _END:
@@ -360,13 +359,6 @@ class VLLMEngine(Engine[VLLMOptions]):
         except RuntimeError as exc:  # the engine's loop is closed: close() came first
             pump.close()
             raise EngineClosed(f"{self.name}: the engine was closed; load() it again") from exc
-
-    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
-        with self._mailbox_lock:
-            box = self._mailboxes.get(loop)
-            if box is None:
-                box = self._mailboxes[loop] = Mailbox(loop)
-            return box
 
     def _generation_error(self, exc: BaseException) -> UnillmError:
         if isinstance(exc, UnillmError):

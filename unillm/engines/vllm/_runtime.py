@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from unillm import ConfigError
 
-__all__ = ["EngineLoop", "KVNumbers", "Mailbox", "OutputCapture", "stat_logger_factory"]
+__all__ = ["EngineLoop", "KVNumbers", "OutputCapture", "stat_logger_factory"]
 
 T = TypeVar("T")
 engine_log = logging.getLogger("unillm.vllm.engine")
@@ -122,36 +122,6 @@ class EngineLoop:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
-
-
-class Mailbox:
-    """Hands items from the engine's loop to one consumer loop.
-
-    Items posted while a delivery is pending ride along with it, so the consumer loop wakes once
-    per engine step however many of its requests produced a token in that step.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: list[tuple[asyncio.Queue[Any], Any]] = []
-        self._lock = threading.Lock()
-
-    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
-        with self._lock:
-            self._items.append((queue, item))
-            if len(self._items) > 1:
-                return  # a delivery is already scheduled
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            with self._lock:
-                self._items.clear()
-
-    def _deliver(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for queue, item in items:
-            queue.put_nowait(item)
 
 
 # ---- KV-cache numbers, from vLLM's own scheduler stats ----
