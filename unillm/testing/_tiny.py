@@ -25,7 +25,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["SIZES", "TinyModel", "TinySpec", "build_tiny_model", "default_cache_dir", "tiny_model"]
+__all__ = [
+    "SIZES",
+    "TinyModel",
+    "TinySpec",
+    "build_tiny_model",
+    "default_cache_dir",
+    "tiny_gguf",
+    "tiny_model",
+]
 
 BUILDER_VERSION = 1
 
@@ -262,10 +270,16 @@ def _write_gguf(
     chat_template: str | None = CHAT_TEMPLATE,
     arch: str = "llama",
     eos: tuple[str, ...] = (EOS,),
+    quant: str = "f32",
+    split_max_tensors: int = 0,
 ) -> None:
     """Write the GGUF. ``chat_template`` and ``arch`` are overridable so tests can plant a hostile
-    template or an architecture llama.cpp does not know."""
+    template or an architecture llama.cpp does not know; ``quant`` (one of ``QUANTS``) stores the
+    matrices in that type, and ``split_max_tensors`` writes a split set
+    (``stem-0000N-of-0000M.gguf``, gguf-split's layout) of at most that many tensors a part."""
     import gguf
+
+    qtype, ftype = QUANTS[quant]
 
     tok = json.loads(tokenizer_json)
     vocab: dict[str, int] = tok["model"]["vocab"]
@@ -281,7 +295,10 @@ def _write_gguf(
     ]
 
     tmp = path.with_suffix(".gguf.partial")
-    w = gguf.GGUFWriter(str(tmp), arch)
+    if split_max_tensors:
+        w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    else:
+        w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(f"unillm-tiny-{name}")
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
@@ -295,7 +312,7 @@ def _write_gguf(
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
     w.add_vocab_size(spec.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType(ftype))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
@@ -312,6 +329,17 @@ def _write_gguf(
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
+    put, qt = w.add_tensor, gguf.GGMLQuantizationType(qtype)
+
+    def add(name: str, t: Any) -> None:  # the matrices in ``quant``; norms stay f32, as llama.cpp's
+        if t.ndim == 1 or quant == "f32":
+            put(name, t)
+        elif quant == "f16":
+            put(name, t.astype("float16"))
+        else:
+            put(name, gguf.quants.quantize(t, qt), raw_dtype=qt)
+
+    w.add_tensor = add  # type: ignore[method-assign]
     w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
     for layer in range(spec.num_layers):
         p, b = f"model.layers.{layer}.", f"blk.{layer}."
@@ -334,7 +362,49 @@ def _write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tmp.replace(path)
+    if not split_max_tensors:
+        tmp.replace(path)
+
+
+#: The GGUF quantizations the tiny model is written in: name -> (tensor type, file type), each a
+#: ``(gguf.GGMLQuantizationType, gguf.LlamaFileType)`` value by number (the gguf package writes
+#: these; its K-quants have no quantizer).
+QUANTS: dict[str, tuple[int, int]] = {"f32": (0, 0), "f16": (1, 1), "Q8_0": (8, 7), "Q4_0": (2, 2)}
+
+
+def tiny_gguf(
+    quant: str = "f32",
+    *,
+    size: Literal["small", "bench"] = "small",
+    split: int = 0,
+    cache_dir: str | Path | None = None,
+) -> list[Path]:
+    """The tiny model's GGUF in ``quant`` (one of ``QUANTS``), built on first use: one file, or
+    with ``split`` the parts of a split set of at most that many tensors each (first part first).
+    The weights are the HF directory's, so every quantization is the same model."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant is one of {', '.join(QUANTS)}, got {quant!r}")
+    model = tiny_model(size, cache_dir)
+    folder = model.root / (f"quants-split{split}" if split else "quants")
+    path = folder / f"tiny-{size}-{quant}.gguf"
+    stem = path.stem
+    existing = sorted(folder.glob(f"{stem}-*-of-*.gguf")) if split else [path] if path.is_file() else []
+    if existing:
+        return existing
+    import tempfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = model.spec
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        out = Path(work) / path.name
+        _write_gguf(
+            out, spec, _weights(spec), _train_tokenizer(spec.vocab_size), size, quant=quant,
+            split_max_tensors=split,
+        )  # fmt: skip
+        written = sorted(Path(work).glob("*.gguf"))
+        for f in written:
+            f.replace(folder / f.name)
+    return sorted(folder.glob(f"{stem}-*-of-*.gguf")) if split else [path]
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
