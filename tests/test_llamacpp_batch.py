@@ -283,6 +283,21 @@ def test_prefix_reuse_shows_in_usage_and_kv_stats(sized: tuple[TinyModel, Any, A
     )
 
 
+@pytest.mark.parametrize("budget", [0, 60])
+def test_kept_prefixes_stay_within_their_token_budget(tiny: TinyModel, budget: int) -> None:
+    """Finished sequences' cells are kept for reuse up to ``prefix_cache_tokens``, oldest out first
+    (every step attends over them, so they are bounded); 0 keeps none."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with open_engine(tiny, parallel=4, prefix_cache_tokens=budget) as engine:
+        run_together(engine, PROMPTS[:4], params)  # four finish together: four candidates to keep
+        sizes = [len(engine.tokenize(p)) + 8 for p in PROMPTS[:4]]
+        stats = engine.kv_stats()
+        assert stats.running_sequences == 0
+        assert sum(sizes) > budget and max(sizes) <= 60
+        assert stats.used_tokens <= budget  # not sum(sizes)
+        assert (stats.used_tokens > 0) == (budget > 0)  # what fits is kept
+
+
 def test_a_draft_model_turns_batching_off_with_a_warning(tiny: TinyModel) -> None:
     with pytest.warns(UserWarning, match="draft_model runs one request at a time"):
         engine = open_engine(tiny, draft_model="prompt-lookup")

@@ -260,6 +260,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             try:
                 self._batcher = Batcher(
                     llama_cpp, llm._model, params, parallel=parallel, n_batch=opts.n_batch,
+                    keep_tokens=n_ctx if opts.prefix_cache_tokens is None else opts.prefix_cache_tokens,
                     n_vocab=llm.n_vocab(), decode_error=eval_error,
                 )  # fmt: skip
             except (ValueError, RuntimeError, OSError) as exc:

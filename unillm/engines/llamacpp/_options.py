@@ -76,5 +76,12 @@ class LlamaCppOptions(BaseModel):
         "with the whole context; default: the config's concurrency when above 1, else 1 (one request "
         "at a time). Not with draft_model or LoRA, which run one request at a time.",
     )
+    prefix_cache_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="With parallel above 1: cells of finished sequences kept for prefix reuse (least "
+        "recently used dropped first). Every step attends over them too (one unified cache), so the "
+        "default is one context (context_length); 0 keeps none.",
+    )
     draft_model: str | None = Field(default=None, description="Speculative: a draft GGUF or 'prompt-lookup'.")
     num_draft_tokens: int | None = Field(default=None, ge=1, description="Tokens drafted per step.")
