@@ -10,14 +10,13 @@ model's template is the same whichever engine loads it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["gguf_chat_template", "hf_chat_template", "named_template"]
+from unillm._inspect._json import _MAX_CONFIG_BYTES, advisory_json
 
-_MAX_BYTES = 16 * 1024 * 1024  # tokenizer configs are kilobytes; bound what is read
+__all__ = ["gguf_chat_template", "hf_chat_template", "named_template"]
 
 
 def named_template(value: Any) -> str | None:
@@ -34,13 +33,13 @@ def hf_chat_template(directory: str | Path, tokenizer_config: Mapping[str, Any] 
     contents when the caller has read it already), or None when it declares none."""
     d = Path(directory)
     if tokenizer_config is None:
-        tokenizer_config = _json(d / "tokenizer_config.json")
+        tokenizer_config = advisory_json(d / "tokenizer_config.json")
     template = named_template(tokenizer_config.get("chat_template"))
     if template is not None:
         return template
     jinja = d / "chat_template.jinja"
     try:
-        if jinja.is_file() and jinja.stat().st_size <= _MAX_BYTES:
+        if jinja.is_file() and jinja.stat().st_size <= _MAX_CONFIG_BYTES:
             return jinja.read_text(encoding="utf-8") or None
     except (OSError, UnicodeDecodeError):
         return None
@@ -51,13 +50,3 @@ def gguf_chat_template(metadata: Mapping[str, Any]) -> str | None:
     """The chat template in a GGUF header's metadata, or None."""
     template = metadata.get("tokenizer.chat_template")
     return template if isinstance(template, str) and template else None
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > _MAX_BYTES:
-            return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -18,12 +18,12 @@ loaded; ids the vocabulary does not hold are dropped.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from unillm._inspect._chat_template import gguf_chat_template, hf_chat_template
+from unillm._inspect._json import advisory_json
 
 __all__ = ["END_OF_TURN_TOKENS", "declared_eos", "eos_from_gguf_metadata", "eos_from_hf_dir"]
 
@@ -37,7 +37,6 @@ END_OF_TURN_TOKENS = (
     "<|end_of_turn|>",
     "<|endofturn|>",
 )
-_MAX_JSON = 16 * 1024 * 1024  # generation/tokenizer configs are kilobytes; bound what is read
 
 ToId = Callable[[str], "int | None"]
 
@@ -71,7 +70,9 @@ def declared_eos(
 def eos_from_hf_dir(directory: str | Path, *, to_id: ToId | None, vocab_size: int | None) -> frozenset[int]:
     """The declared set of an HF model directory (``config.json`` and its neighbours)."""
     d = Path(directory)
-    gen, cfg, tok = (_json(d / n) for n in ("generation_config.json", "config.json", "tokenizer_config.json"))
+    gen, cfg, tok = (
+        advisory_json(d / n) for n in ("generation_config.json", "config.json", "tokenizer_config.json")
+    )
     sub = cfg.get("text_config")
     text_cfg: dict[str, Any] = sub if isinstance(sub, dict) else {}
     eos_token = tok.get("eos_token")
@@ -109,15 +110,3 @@ def _ints(values: Iterable[Any]) -> Iterable[int]:
     for v in values:
         if isinstance(v, int) and not isinstance(v, bool):
             yield v
-
-
-def _json(path: Path) -> dict[str, Any]:
-    """A small JSON object, or {} when the file is missing, too large or not an object: what a
-    model declares about its stop tokens is advice, never a reason to refuse the model."""
-    try:
-        if not path.is_file() or path.stat().st_size > _MAX_JSON:
-            return {}
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}

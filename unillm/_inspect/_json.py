@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unillm._errors import ModelFormatError
+from unillm._errors import ModelFormatError, UnillmError
 from unillm._inspect._files import _open, _read
 
 # ---- JSON -----------------------------------------------------------------------------------
@@ -39,6 +39,16 @@ def _load_json(path: Path, limit: int) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ModelFormatError(f"{str(path)!r} is not a JSON object (corrupt file)")
     return value
+
+
+def advisory_json(path: Path) -> dict[str, Any]:
+    """A JSON object a model declares as advice (its stop tokens, its chat template), or {} when the
+    file is missing, too large, not JSON or not an object: such a file is never a reason to refuse
+    the model. Read within the same bounds as every other config."""
+    try:
+        return _load_json(path, _MAX_CONFIG_BYTES) if path.is_file() else {}
+    except (OSError, UnillmError):
+        return {}
 
 
 def _parse_json(data: bytes, what: str, *, strict: bool = False) -> Any:
