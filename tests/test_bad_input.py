@@ -35,6 +35,9 @@ def L(**kw):
     from unillm.engines.llamacpp import LlamaCppEngine
     return LlamaCppEngine(model=GGUF, context_length=512, **kw).load()
 
+def B(**options):  # the batching engine: four sequences in one context
+    return L(options={{"parallel": 4, **options}})
+
 def M(**kw):
     from unillm.engines.mlx import MLXEngine
     return MLXEngine(model=HF, **kw).load()
@@ -231,6 +234,79 @@ L_CASES = [
         "ModelFormatError",
     ),
 ]
+# the batching llama.cpp engine (its own request path: a worker thread, per-sequence samplers)
+B_CASES = [
+    ("batch-parallel-zero", "B(parallel=0)", "ConfigError"),
+    ("batch-parallel-huge", "B(parallel=10**6)", "ConfigError"),
+    ("batch-prefix-cache-negative", "B(prefix_cache_tokens=-1)", "ConfigError"),
+    ("batch-prompt-past-context", "B().generate('word ' * 2000)", "ContextLengthExceeded"),
+    ("batch-logit-bias-out-of-vocab", "B().generate('hi', logit_bias={10**6: 1.0})", "ConfigError"),
+    ("batch-closed-generate", "e = B(); e.close(); e.generate('x')", "EngineClosed"),
+    (
+        "batch-close-while-streaming-same-thread",
+        "e = B(); it = e.stream('hi', max_tokens=100, ignore_eos=True); next(it); e.close(); list(it)",
+        "EngineClosed",
+    ),
+    (
+        "batch-close-while-four-stream",
+        "e = B(); out = []; going = threading.Barrier(5)\n"
+        "def run(i):\n"
+        "    try:\n"
+        "        it = e.stream(f'story {i}', max_tokens=400, ignore_eos=True); next(it); going.wait()\n"
+        "        out.append(len(list(it)))\n"
+        "    except EngineClosed:\n"
+        "        out.append('closed')\n"
+        "ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]; [t.start() for t in ts]\n"
+        "going.wait(); e.close(); [t.join() for t in ts]; result = sorted(map(str, out))\n"
+        "assert out.count('closed') >= 1, out",
+        "ok",
+    ),
+    (
+        "batch-fills-the-context",  # max_tokens past the room left: reduced to what fits
+        "e = B(); ids = e.tokenize('word ' * 1000)[:500];"
+        " c = e.generate(ids, max_tokens=400, ignore_eos=True);"
+        " assert c.finish_reason == 'length' and len(c.token_ids) == 12, (c.finish_reason, len(c.token_ids))",
+        "ok",
+    ),
+    (
+        "batch-one-token-steps",  # n_batch 1, four streams: steps hold more decoding rows than n_batch
+        "e = B(n_batch=1); out = [None] * 4\n"
+        "def run(i):\n"
+        "    out[i] = e.generate(f'hello there {i}', max_tokens=5, ignore_eos=True)\n"
+        "ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "assert [len(c.token_ids) for c in out] == [5] * 4",
+        "ok",
+    ),
+    (
+        "batch-schema-and-logprobs-together",
+        "e = B(); out = [None] * 4\n"
+        "fmt = {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {'type': 'object',"
+        " 'properties': {'a': {'type': 'boolean'}}, 'required': ['a']}}}\n"
+        "def run(i):\n"
+        "    kw = {'response_format': fmt} if i % 2 else {'logprobs': 3}\n"
+        "    out[i] = e.generate(f'answer {i}', max_tokens=40, **kw)\n"
+        "ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "for i in (1, 3): json.loads(out[i].text)\n"
+        "assert all(len(out[i].top_logprobs) == len(out[i].token_ids) for i in (0, 2))",
+        "ok",
+    ),
+    (
+        "batch-async-cancel-then-reuse",
+        "import asyncio\n"
+        "e = B()\n"
+        "async def one():\n"
+        "    async for c in e.astream('hi', max_tokens=300, ignore_eos=True):\n"
+        "        pass\n"
+        "async def main():\n"
+        "    t = asyncio.create_task(one()); await asyncio.sleep(0.05); t.cancel()\n"
+        "    await asyncio.gather(t, return_exceptions=True)\n"
+        "    return await e.agenerate('hi', max_tokens=4, ignore_eos=True)\n"
+        "c = asyncio.run(main()); assert len(c.token_ids) == 4 and e.kv_stats().running_sequences == 0",
+        "ok",
+    ),
+]
 M_CASES = [
     ("mlx-detokenize-huge-id", "M().detokenize([10**6])", "ConfigError"),
     ("mlx-prompt-bytes", "M().generate(b'x')", "ConfigError"),
@@ -301,7 +377,9 @@ def _check(code: str, want: str | tuple[str, ...], tiny: TinyModel, tmp: Path) -
 
 
 @pytest.mark.skipif(not HAS_LLAMA, reason="llama-cpp-python is not installed")
-@pytest.mark.parametrize(("code", "want"), [c[1:] for c in L_CASES], ids=[c[0] for c in L_CASES])
+@pytest.mark.parametrize(
+    ("code", "want"), [c[1:] for c in L_CASES + B_CASES], ids=[c[0] for c in L_CASES + B_CASES]
+)
 def test_api_case(code: str, want: str | tuple[str, ...], tiny: TinyModel, tmp_path: Path) -> None:
     _check(code, want, tiny, tmp_path)
 

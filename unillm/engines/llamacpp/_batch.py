@@ -102,7 +102,7 @@ class Batcher(StepWorker):
         self._decode_error = decode_error
         self._ctx = LlamaContext(model=model, params=params, verbose=False)
         self._mem = llama_cpp.llama_get_memory(self._ctx.ctx)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)  # room for any step
         self._free = self._all_ids()
         self._running: dict[int, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
@@ -209,10 +209,13 @@ class Batcher(StepWorker):
                 rows.append((s, self._put(s.last, s, True)))
                 s.tokens.append(s.last)
                 budget -= 1
+        fed = False
         for s in self._running.values():  # then prompt chunks in the room left
-            if not s.todo or budget <= 0:
+            room = budget if budget > 0 or fed else 1  # a step full of decoding still reads a prompt token
+            if not s.todo or room <= 0:
                 continue
-            chunk, s.todo = s.todo[:budget], s.todo[budget:]
+            chunk, s.todo = s.todo[:room], s.todo[room:]
+            fed = True
             for j, tok in enumerate(chunk):
                 i = self._put(tok, s, not s.todo and j == len(chunk) - 1)
             s.tokens.extend(chunk)
@@ -303,12 +306,14 @@ def context_params(llama_cpp: Any, base: Any, *, n_ctx: int, n_seq: int, n_batch
     """A copy of ``base`` (the ``Llama`` object's context parameters: threads, KV type, flash
     attention) for ``n_seq`` sequences sharing ``n_ctx`` cells, ``n_batch`` tokens a step. The batch
     sizes are set here, not copied: llama-cpp-python caps the ``Llama``'s at its own (small)
-    context, and a step of more tokens than the context's ``n_batch`` aborts the process."""
+    context, and a step of more tokens than the context's ``n_batch`` aborts the process, as does a
+    context whose ``n_batch`` is below ``n_seq`` (its output buffer is sized by it). The steps
+    themselves keep to the ``n_batch`` asked, but for one token per running sequence."""
     params = llama_cpp.llama_context_params()
     ctypes.memmove(ctypes.byref(params), ctypes.byref(base), ctypes.sizeof(params))
     params.n_ctx = n_ctx
     params.n_seq_max = n_seq
     params.kv_unified = True
-    params.n_batch = n_batch
-    params.n_ubatch = min(n_ubatch, n_batch)
+    params.n_batch = max(n_batch, n_seq)
+    params.n_ubatch = min(n_ubatch, params.n_batch)
     return params
