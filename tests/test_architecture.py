@@ -26,6 +26,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ),  # the vocabulary: _errors _types _params _config _structured hookspecs, and the lazy namespace
     ("unillm._chat", "unillm._inspect", "unillm._hardware"),
     ("unillm._plan",),
+    ("unillm._hub",),  # models by name: resolved, the quantization that fits chosen, downloaded
     ("unillm._contract",),
     ("unillm._choose",),
     ("unillm.backend",),

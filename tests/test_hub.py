@@ -3,12 +3,31 @@ against it, no mocks. One hub serves the whole module; each test gets its own HF
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from unillm import (
+    DiskFull,
+    DownloadError,
+    EngineConfig,
+    GatedModel,
+    ModelNotFound,
+    NotCached,
+    QuantNotFound,
+    RepoNotFound,
+    RevisionNotFound,
+    SamplingParams,
+)
 from unillm.testing import HubServer, tiny_hub
+
+from .conftest import needs_llama_cpp
 
 pytest.importorskip("huggingface_hub")
 
@@ -94,3 +113,384 @@ def test_a_range_read_is_served_as_206(hub: HubServer, cache: Path) -> None:
     r = httpx.get(r.headers["Location"], headers={"Range": "bytes=0-3"})
     assert r.status_code == 206 and r.content == b"GGUF"
     assert hub.served["unillm/tiny-gguf/tiny-small-f32.gguf"] == 4
+
+
+# ---- names, tags and the default rule: pure functions ----
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("Qwen/Qwen2.5-0.5B-Instruct-GGUF", ("Qwen/Qwen2.5-0.5B-Instruct-GGUF", None, None)),
+        ("org/name@v1.0", ("org/name", "v1.0", None)),
+        ("org/name:q4_k_m", ("org/name", None, "q4_k_m")),
+        ("org/name@main:Q8_0", ("org/name", "main", "Q8_0")),
+        ("models/llama.gguf", None),  # a missing path, not a repo
+        ("./org/name", None),
+        ("/abs/path", None),
+        ("just-a-name", None),
+        ("a--b/c", None),
+    ],
+)
+def test_a_name_is_parsed(text: str, want: tuple[str, str | None, str | None] | None) -> None:
+    from unillm._names import ModelName, parse_model_name
+
+    assert parse_model_name(text) == (ModelName(*want) if want else None)
+
+
+def test_an_existing_path_is_never_a_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from unillm._names import parse_model_name
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert parse_model_name("org/name") is None and parse_model_name("org/other") is not None
+
+
+@pytest.mark.parametrize(
+    ("names", "tag", "want"),
+    [
+        (["m-Q8_0.gguf", "m-Q4_K_M.gguf", "m-F16.gguf"], None, "m-Q4_K_M.gguf"),  # llama.cpp's default
+        (["m-F16.gguf", "m-Q8_0.gguf", "m-Q2_K.gguf"], None, "m-Q8_0.gguf"),  # else Q8_0
+        (["m-F16.gguf", "m-Q2_K.gguf"], None, "m-F16.gguf"),  # else the first
+        (["m-Q8_0.gguf", "m-Q4_K_M.gguf"], "q8_0", "m-Q8_0.gguf"),  # a tag, any case
+        (["m.Q4_K_S.gguf", "m.Q4_K_M.gguf"], "Q4_K_S", "m.Q4_K_S.gguf"),
+        (["m-IQ4_XS.gguf", "m-UD-Q4_K_XL.gguf"], "ud-q4_k_xl", "m-UD-Q4_K_XL.gguf"),
+        (["a/m-Q8_0-00001-of-00002.gguf", "a/m-Q8_0-00002-of-00002.gguf", "m-F16.gguf"], "Q8_0",
+         "a/m-Q8_0-00001-of-00002.gguf"),
+        (["mmproj-F16.gguf", "m-F16.gguf"], None, "m-F16.gguf"),  # a vision projector is no model
+    ],
+)  # fmt: skip
+def test_the_tag_and_the_default_rule(names: list[str], tag: str | None, want: str) -> None:
+    from unillm._hub._files import gguf_files, pick_gguf
+
+    assert pick_gguf("o/m", gguf_files(dict.fromkeys(names, 1)), tag).path == want
+
+
+def test_split_parts_count_as_one_file_and_an_incomplete_set_as_none() -> None:
+    from unillm._hub._files import gguf_files
+
+    parts = {f"m-Q8_0-0000{i}-of-00003.gguf": 10 for i in (1, 2, 3)}
+    (one,) = gguf_files(parts)
+    assert one.parts == tuple(sorted(parts)) and one.size == 30 and one.quant == "Q8_0"
+    assert gguf_files({"m-Q8_0-00001-of-00003.gguf": 10, "m-Q8_0-00003-of-00003.gguf": 10}) == []
+
+
+def test_a_missing_tag_lists_the_tags_the_repo_has() -> None:
+    from unillm import ModelNotFound, QuantNotFound
+    from unillm._hub._files import gguf_files, pick_gguf
+
+    with pytest.raises(QuantNotFound) as info:
+        pick_gguf("o/m", gguf_files(dict.fromkeys(["m-Q8_0.gguf", "m-F16.gguf"], 1)), "Q5_K_M")
+    assert info.value.tags == ["F16", "Q8_0"] and "o/m:F16" in str(info.value)
+    assert isinstance(info.value, ModelNotFound)
+
+
+# ---- the quantization that fits: three machines, as profiles ----
+
+PROFILES = Path(__file__).parent / "profiles"
+
+
+@pytest.mark.parametrize(
+    ("profile", "want"),
+    [("laptop-8gb-cpu", "Q4_K_M"), ("rtx4090-1x", "F16"), ("m3-ultra-192gb", "F32")],
+)
+def test_the_fit_choice_takes_the_highest_precision_that_fits(profile: str, want: str) -> None:
+    from unillm._hardware import load_hardware
+    from unillm._hub._files import GgufFile
+    from unillm._hub._fit import choose_gguf
+    from unillm._inspect import ModelInfo
+    from unillm._plan._estimate import Workload
+
+    base = ModelInfo(
+        path="o/m", format="gguf", architecture="llama", quantization="Q4_K_M", parameters=8_030_000_000,
+        layers=32, hidden_size=4096, heads=32, kv_heads=8, head_dim=128, context_length=131072,
+        vocab_size=128256,
+    )  # fmt: skip
+    files = [
+        GgufFile(("m-Q4_K_M.gguf",), 4_920_000_000, "Q4_K_M"),
+        GgufFile(("m-Q8_0.gguf",), 8_540_000_000, "Q8_0"),
+        GgufFile(("m-F16.gguf",), 16_070_000_000, "F16"),
+        GgufFile(("m-F32.gguf",), 32_100_000_000, "F32"),
+    ]
+    hw = load_hardware(PROFILES / f"{profile}.json")
+    choice = choose_gguf("o/m", files, base, hw, Workload(context_length=8192))
+    assert choice.chosen.quant == want
+    lines = choice.lines()
+    assert [line[2:].split()[0] for line in lines[:4]] == ["F32", "F16", "Q8_0", "Q4_K_M"]  # each weighed
+    assert sum(line.startswith("*") for line in lines) == 1 and "GiB" in lines[0]
+    tagged = choose_gguf("o/m", files, base, hw, Workload(context_length=8192), tag="f32")
+    assert tagged.chosen.quant == "F32" and ("NOT fit" in tagged.why) == (want != "F32")
+
+
+# ---- against the hub: download, load, generate ----
+
+
+def _data(hub: HubServer, repo: str, path: str) -> bytes:
+    r = hub.repos[repo]
+    return r.commits[r.refs["main"]][path].data
+
+
+@needs_llama_cpp
+def test_a_name_is_downloaded_loaded_and_run(hub: HubServer, cache: Path) -> None:
+    from unillm import auto_engine
+
+    key = "unillm/tiny-gguf/tiny-small-Q8_0.gguf"
+    size = len(_data(hub, "unillm/tiny-gguf", "tiny-small-Q8_0.gguf"))
+    with auto_engine("unillm/tiny-gguf:Q8_0", context_length=256) as engine:
+        first = engine.generate("Hello", SamplingParams(max_tokens=4, temperature=0)).token_ids
+        explained = engine.selection.explain()
+        local = Path(engine.config.model)
+    assert (
+        local.is_relative_to(cache)
+        and local.name == "tiny-small-Q8_0.gguf"
+        and engine.facts.model.quantization == "Q8_0"
+    )
+    assert size <= hub.served[key] <= size + (1 << 17)  # the file, and its header read before
+    assert [k for k in hub.served if k != key] == []  # no other quantization moved
+    assert "Q8_0 was asked for" in explained and "unillm/tiny-gguf:Q8_0" in explained
+    hub.reset_counts()
+    with auto_engine("unillm/tiny-gguf:q8_0", context_length=256) as engine:  # cached: nothing moves
+        assert engine.generate("Hello", SamplingParams(max_tokens=4, temperature=0)).token_ids == first
+    assert hub.served == {}
+
+
+@needs_llama_cpp
+def test_a_split_gguf_is_fetched_and_loaded_together(hub: HubServer, cache: Path) -> None:
+    from unillm import auto_engine
+
+    with auto_engine("unillm/tiny-gguf-split:q8_0", context_length=256) as engine:
+        assert engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0)).token_ids
+        assert len(engine.facts.model.files) == 3
+    parts = [k for k in hub.served if "-of-00003" in k]
+    assert len(parts) == 3 and not any(k.endswith("f16.gguf") for k in hub.served)
+    for k in parts:
+        assert hub.served[k] >= len(_data(hub, "unillm/tiny-gguf-split", k.rsplit("/", 1)[1]))
+
+
+def test_a_revision_names_a_branch_tag_or_commit(hub: HubServer, cache: Path) -> None:
+    from unillm._hub import resolve
+
+    v1 = hub.repos["unillm/tiny-gguf"].refs["v1"]
+    r = resolve("unillm/tiny-gguf@v1")
+    assert r.listing.commit == v1 and r.files == ["tiny-small-f32.gguf"]
+    path = r.fetch()
+    assert v1 in str(path) and (cache / "models--unillm--tiny-gguf" / "refs" / "v1").read_text() == v1
+    assert resolve(f"unillm/tiny-gguf@{v1}").local == path
+    with pytest.raises(RevisionNotFound, match="has no revision 'nope'"):
+        resolve("unillm/tiny-gguf@nope")
+
+
+def test_offline_the_cache_serves_with_no_network_call(
+    hub: HubServer, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unillm._choose._auto import model_info
+    from unillm._hub import resolve
+
+    own = HubServer({"unillm/tiny-gguf": hub.repos["unillm/tiny-gguf"]}).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", own.url)
+        path = resolve("unillm/tiny-gguf:Q4_0").fetch()
+    finally:
+        own.stop()  # the hub is gone from here on
+    asked = len(own.requests)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = resolve("unillm/tiny-gguf")  # no tag: chosen among what is cached
+    assert r.local == path and r.files == ["tiny-small-Q4_0.gguf"]
+    assert model_info(EngineConfig(model="unillm/tiny-gguf:q4_0")).quantization == "Q4_0"
+    with pytest.raises(NotCached, match="unillm pull unillm/tiny-gguf:F16"):
+        resolve("unillm/tiny-gguf:F16")
+    with pytest.raises(NotCached, match="unillm pull unillm/tiny"):
+        resolve("unillm/tiny")
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # online, but the hub cannot be reached: the cache again
+    assert resolve("unillm/tiny-gguf:Q4_0").local == path
+    assert len(own.requests) == asked
+
+
+def test_select_and_inspect_read_headers_only(hub: HubServer, cache: Path) -> None:
+    from unillm._choose._auto import choose, model_info
+    from unillm._hardware import load_hardware
+
+    hw = load_hardware(PROFILES / "laptop-8gb-cpu.json")
+    selection = choose(EngineConfig(model="unillm/tiny-gguf", context_length=512), hardware=hw).selection
+    text = selection.explain()
+    assert "quantizations" in text and "* F32" in text and "the highest precision that fits" in text
+    for key, sent in hub.served.items():  # a header or two, never a whole file
+        assert sent < len(_data(hub, "unillm/tiny-gguf", key.rsplit("/", 1)[1])) / 2, key
+    info = model_info(EngineConfig(model="unillm/tiny"))
+    assert info.layers == 2 and info.weights_bytes == len(_data(hub, "unillm/tiny", "model.safetensors"))
+    assert "unillm/tiny/model.safetensors" not in hub.served and "unillm/tiny/config.json" in hub.served
+    assert not list(cache.rglob("*.gguf")) and not list(cache.rglob("*.safetensors"))
+
+
+def test_an_hf_format_repo_is_fetched_whole(hub: HubServer, cache: Path) -> None:
+    from unillm._hub import resolve
+
+    path = resolve("unillm/tiny").fetch()
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    assert (path / "model.safetensors").read_bytes() == _data(hub, "unillm/tiny", "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "says"),
+    [
+        ("unillm/nope", RepoNotFound, "HF_TOKEN"),
+        ("unillm/private", RepoNotFound, "private repo needs a token"),
+        ("unillm/gated", GatedModel, "accept its terms"),
+        ("unillm/tiny-gguf@nope", RevisionNotFound, "@main"),
+        ("unillm/tiny-gguf:Q5_K_M", QuantNotFound, "Its quantizations: Q4_0, Q8_0, F16, F32"),
+    ],
+)
+def test_hub_errors_are_typed_and_say_what_to_do(
+    hub: HubServer, cache: Path, name: str, error: type, says: str
+) -> None:
+    from unillm._hub import resolve
+
+    with pytest.raises(error, match=says) as info:
+        resolve(name)
+    assert isinstance(info.value, (ModelNotFound, GatedModel))
+
+
+def test_a_private_repo_is_not_found_with_a_token_too(
+    hub: HubServer, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unillm._hub import resolve
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    with pytest.raises(RepoNotFound):
+        resolve("unillm/private")  # the hub answers 404 with a token, 401 without
+
+
+# ---- integrity, resume, a full disk ----
+
+
+def test_an_interrupted_download_resumes_in_a_later_process(hub: HubServer, cache: Path) -> None:
+    from unillm._hub import resolve
+
+    key, data = "unillm/tiny-gguf/tiny-small-f16.gguf", _data(hub, "unillm/tiny-gguf", "tiny-small-f16.gguf")
+    r = resolve("unillm/tiny-gguf:f16")
+    hub.cut_after[key] = 300_000
+    before = hub.served[key]
+    with pytest.raises(DownloadError, match="run the same command again to resume"):
+        r.fetch()
+    (partial,) = cache.rglob("*.unillm-partial")
+    assert partial.stat().st_size == 300_000 and r.local is None  # nothing half-downloaded is loadable
+    before = hub.served[key]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "unillm", "pull", "unillm/tiny-gguf:f16"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming tiny-small-f16.gguf at 300000" in proc.stderr
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+    header_read = 1 << 16
+    assert hub.served[key] - before <= len(data) - 300_000 + header_read
+    assert not list(cache.rglob("*.unillm-partial"))
+
+
+def test_a_file_that_does_not_match_its_sha256_is_deleted(hub: HubServer, cache: Path) -> None:
+    from unillm._hub import resolve
+
+    data = _data(hub, "unillm/tiny-gguf", "tiny-small-Q4_0.gguf")
+    sha = hashlib.sha256(data).hexdigest()
+    r = resolve("unillm/tiny-gguf:Q4_0")
+    blobs = cache / "models--unillm--tiny-gguf" / "blobs"
+    blobs.mkdir(parents=True)
+    bad = blobs / f"{sha}.unillm-partial"
+    bad.write_bytes(bytes(len(data)))  # all of it, and wrong: a disk error, a bad proxy
+    with pytest.raises(DownloadError, match="does not match its sha256"):
+        r.fetch()
+    assert not bad.exists() and r.local is None
+    assert r.fetch().read_bytes() == data
+
+
+def test_a_full_disk_is_said_before_a_byte_is_written(
+    hub: HubServer, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from unillm._hub import resolve
+
+    r = resolve("unillm/tiny-gguf:f32")
+    hub.reset_counts()
+    usage = type(shutil.disk_usage("/"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, (1 << 40) - 1000, 1000))
+    with pytest.raises(DiskFull, match="unillm rm") as info:
+        r.fetch()
+    assert isinstance(info.value, OSError) and hub.served == {}
+
+
+# ---- the command line, configs, imports ----
+
+
+def test_pull_models_rm(hub: HubServer, cache: Path) -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["pull", "unillm/tiny-gguf:Q4_0"])
+    assert out.exit_code == 0, out.output
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert path.is_file() and path.is_relative_to(cache)
+    out = runner.invoke(app, ["pull", "unillm/tiny"])
+    assert out.exit_code == 0, out.output
+    out = runner.invoke(app, ["models", "--json"])
+    listed = {m["id"]: m for m in json.loads(out.stdout)}
+    gguf, hf = listed["unillm/tiny-gguf"], listed["unillm/tiny"]
+    assert (
+        gguf["files"] == ["tiny-small-Q4_0.gguf"]
+        and gguf["format"] == "gguf"
+        and gguf["quantization"] == "Q4_0"
+    )
+    assert gguf["refs"] == ["main"] and len(gguf["revision"]) == 40 and gguf["size"] == path.stat().st_size
+    assert (
+        hf["format"] == "safetensors"
+        and hf["quantization"] == "float32"
+        and "model.safetensors" in hf["files"]
+    )
+    table = runner.invoke(app, ["models"]).stdout
+    assert "unillm/tiny-gguf" in table and "Q4_0" in table
+    out = runner.invoke(app, ["inspect", "unillm/tiny-gguf:F16"])  # headers only
+    assert out.exit_code == 0 and "F16" in out.stdout and not list(cache.rglob("*f16.gguf"))
+    out = runner.invoke(app, ["rm", "unillm/tiny-gguf"])
+    assert out.exit_code == 0, out.output
+    assert [m["id"] for m in json.loads(runner.invoke(app, ["models", "--json"]).stdout)] == ["unillm/tiny"]
+    out = runner.invoke(app, ["rm", "unillm/tiny-gguf"])
+    assert out.exit_code == 2 and "ModelNotFound" in out.output
+    out = runner.invoke(app, ["pull", "unillm/tiny-gguf:Q5_K_M"])
+    assert out.exit_code == 2 and "QuantNotFound" in out.output and "Q8_0" in out.output
+    out = runner.invoke(app, ["pull", "./not/a-name"])
+    assert out.exit_code == 2 and "not a model name" in out.output
+
+
+def test_a_config_file_keeps_a_name_and_joins_a_path(tmp_path: Path) -> None:
+    from unillm import read_config
+
+    (tmp_path / "a.toml").write_text('model = "unillm/tiny-gguf:Q8_0"\n')
+    (tmp_path / "b.toml").write_text('model = "models/x.gguf"\n')
+    assert read_config(tmp_path / "a.toml").model == "unillm/tiny-gguf:Q8_0"
+    assert read_config(tmp_path / "b.toml").model == str(tmp_path / "models" / "x.gguf")
+
+
+def test_import_unillm_imports_no_hub_library() -> None:
+    code = (
+        "import sys, unillm; unillm.auto_engine; import unillm._hub; "
+        "assert not [m for m in sys.modules if m.startswith(('huggingface_hub', 'httpx'))], 'imported'"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_forced_backend_takes_a_name_the_hub_does_not_have(hub: HubServer, cache: Path) -> None:
+    from unillm._choose._auto import choose
+
+    # a plugin's backend may name a model on a server: unillm says what it saw and steps aside
+    selection = choose(EngineConfig(model="unillm/nope", backend="llama.cpp")).selection
+    assert any("not resolved on the hub" in step for step in selection.steps)
+    with pytest.raises(RepoNotFound):
+        choose(EngineConfig(model="unillm/nope"))

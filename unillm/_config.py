@@ -9,7 +9,8 @@ It holds for every option key too: a layer's ``options`` beat every lower layer'
 ``backend_options`` tables, and within one layer a backend's own table beats ``options``.
 
 A TOML file holds the fields of ``EngineConfig`` at the top level or under a ``[unillm]`` table;
-a relative ``model`` path is taken relative to the file's folder::
+a relative ``model`` path is taken relative to the file's folder (a model name such as
+``Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M`` is left as it is)::
 
     model = "models/llama-3.2-1b-q4_k_m.gguf"
     backend = "llama.cpp"
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unillm._errors import ConfigError
+from unillm._names import parse_model_name
 from unillm._types import EngineConfig, normalize_name
 
 if sys.version_info >= (3, 11):
@@ -175,7 +177,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
         data = data["unillm"]
     model = data.get("model")
     if isinstance(model, str) and not Path(model).expanduser().is_absolute():
-        data["model"] = str(path.parent / model)
+        beside = path.parent / model
+        # a name (org/name:Q4_K_M) stays one, unless the file's folder holds a path spelled so
+        if parse_model_name(model) is None or beside.exists():
+            data["model"] = str(beside)
     return data
 
 

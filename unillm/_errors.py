@@ -11,12 +11,19 @@
     ├── NoSuitableBackend            no registered backend can run this model here
     ├── ModelFormatError             the model file or directory is not in a format unillm can read
     ├── ModelLoadError               the engine failed to load a model it should read
-    │   └── ModelNotFound (FileNotFoundError)  the model path does not exist
+    │   ├── ModelNotFound (FileNotFoundError)  the model path does not exist
+    │   │   ├── RepoNotFound         no such repo on the hub (or a private one, without a token for it)
+    │   │   ├── RevisionNotFound     the repo has no such branch, tag or commit
+    │   │   ├── QuantNotFound        the repo has no GGUF of that quantization (.tags: those it has)
+    │   │   └── NotCached            offline (HF_HUB_OFFLINE=1) and the name is not in the local cache
+    │   └── GatedModel               the repo is gated: accept its terms on the hub, then set HF_TOKEN
     ├── OutOfMemory (MemoryError)    weights or KV cache do not fit
     ├── ContextLengthExceeded (ValueError)  the prompt is longer than the loaded context
     ├── GenerationError              the engine failed while generating
     │   ├── StructuredOutputError    the output does not parse or validate under its response_format
     │   └── ToolCallParseError       a call the model had to make is not one (cut by max_tokens)
+    ├── DownloadError                a download failed (network, cut off: run again to resume; checksum)
+    │   └── DiskFull (OSError)       no room for the download on the cache's disk
     ├── EngineClosed                 the engine was used after close() or before load()
     └── PluginError                  a plugin failed to import or register (reported, then skipped)
 
@@ -39,14 +46,21 @@ __all__ = [
     "BackendUnavailable",
     "ConfigError",
     "ContextLengthExceeded",
+    "DiskFull",
+    "DownloadError",
     "EngineClosed",
+    "GatedModel",
     "GenerationError",
     "ModelFormatError",
     "ModelLoadError",
     "ModelNotFound",
     "NoSuitableBackend",
+    "NotCached",
     "OutOfMemory",
     "PluginError",
+    "QuantNotFound",
+    "RepoNotFound",
+    "RevisionNotFound",
     "UnillmError",
     "UnillmWarning",
     "UnknownBackend",
@@ -158,7 +172,72 @@ class ModelNotFound(ModelLoadError, FileNotFoundError):
         self.path = path
         super().__init__(
             f"model not found: {path!r}. Pass the path of a .gguf file or of a model directory "
-            "(config.json + weights); unillm never downloads weights."
+            "(config.json + weights), or a Hugging Face name (org/name, org/name:Q4_K_M), which "
+            "is downloaded; a path is never looked up on the hub, so unillm never downloads weights "
+            "for one."
+        )
+
+
+class RepoNotFound(ModelNotFound):
+    """No repo of that name on the hub, or a private one and no token that may read it."""
+
+    def __init__(self, repo: str, endpoint: str = "https://huggingface.co") -> None:
+        self.path = self.repo = repo
+        ModelLoadError.__init__(
+            self,
+            f"no model {repo!r} on {endpoint}, nor a file or directory of that name here. Check the "
+            "spelling (org/name); a private repo needs a token that may read it: set HF_TOKEN or run "
+            "`hf auth login`.",
+        )
+
+
+class RevisionNotFound(ModelNotFound):
+    """The repo has no branch, tag or commit of that name."""
+
+    def __init__(self, repo: str, revision: str) -> None:
+        self.path, self.repo, self.revision = f"{repo}@{revision}", repo, revision
+        ModelLoadError.__init__(
+            self,
+            f"{repo!r} has no revision {revision!r}: name a branch, a tag or a commit of it "
+            f"(org/name@main), or leave @revision out for its default branch.",
+        )
+
+
+class QuantNotFound(ModelNotFound):
+    """The repo has no GGUF file of the quantization asked for; ``tags`` are the ones it has."""
+
+    def __init__(self, repo: str, tag: str, tags: Sequence[str]) -> None:
+        self.path, self.repo, self.tag, self.tags = f"{repo}:{tag}", repo, tag, list(tags)
+        have = ", ".join(self.tags) if self.tags else "none: it holds no GGUF file"
+        ModelLoadError.__init__(
+            self,
+            f"{repo!r} has no {tag} file. Its quantizations: {have}. Name one ({repo}:{self.tags[0]}) "
+            f"or leave the tag out to get the one that fits this machine."
+            if self.tags
+            else f"{repo!r} has no {tag} file. Its quantizations: {have}; leave the tag out.",
+        )
+
+
+class NotCached(ModelNotFound):
+    """Offline (``HF_HUB_OFFLINE=1``) and the name is not in the local Hugging Face cache."""
+
+    def __init__(self, name: str, cache_dir: str) -> None:
+        self.path, self.cache_dir = name, cache_dir
+        ModelLoadError.__init__(
+            self,
+            f"{name!r} is not in the Hugging Face cache ({cache_dir}) and HF_HUB_OFFLINE is set, so "
+            f"nothing is downloaded. When online, run `unillm pull {name}` (or unset HF_HUB_OFFLINE).",
+        )
+
+
+class GatedModel(ModelLoadError):
+    """The repo is gated: its terms must be accepted on the hub, and a token sent."""
+
+    def __init__(self, repo: str, endpoint: str = "https://huggingface.co") -> None:
+        self.repo = repo
+        super().__init__(
+            f"{repo!r} is gated: accept its terms at {endpoint}/{repo} with your account, then "
+            "set HF_TOKEN to a token of that account (or run `hf auth login`) and retry."
         )
 
 
@@ -182,6 +261,24 @@ class ContextLengthExceeded(UnillmError, ValueError):
 
 class GenerationError(UnillmError):
     """The engine failed while generating."""
+
+
+class DownloadError(UnillmError):
+    """A download failed: the hub could not be reached, the transfer was cut off (what arrived is
+    kept: run the same command again to resume) or a file does not match its checksum."""
+
+
+class DiskFull(DownloadError, OSError):
+    """No room on the cache's disk for the download."""
+
+    def __init__(self, what: str, need: int, free: int, where: str) -> None:
+        self.need, self.free, self.where = need, free, where
+        DownloadError.__init__(
+            self,
+            f"{what} needs {need / 2**30:.2f} GiB more but {where} has {free / 2**30:.2f} GiB free: "
+            "free some space (`unillm models` lists what is cached, `unillm rm MODEL` removes it) "
+            "or point HF_HUB_CACHE at a larger disk.",
+        )
 
 
 class EngineClosed(UnillmError):

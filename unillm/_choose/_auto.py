@@ -22,6 +22,7 @@ from unillm._contract._context import resolve_context
 from unillm._contract._facts import Facts, machine
 from unillm._errors import (
     BackendUnavailable,
+    DownloadError,
     ModelFormatError,
     ModelLoadError,
     ModelNotFound,
@@ -31,15 +32,27 @@ from unillm._errors import (
 )
 from unillm._inspect import ModelInfo
 from unillm._inspect._paths import model_formats
+from unillm._names import parse_model_name
 from unillm._plan._estimate import Plan, Workload, plan
 from unillm._types import Fallback, normalize_name
 
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
     from unillm._hardware import Hardware
+    from unillm._hub import Progress, Resolved
     from unillm._types import Availability, EngineConfig
 
-__all__ = ["Candidate", "Choice", "Selection", "auto_engine", "choose", "load_engine", "workload_for"]
+__all__ = [
+    "Candidate",
+    "Choice",
+    "Selection",
+    "auto_engine",
+    "choose",
+    "load_engine",
+    "model_info",
+    "resolve_name",
+    "workload_for",
+]
 
 
 def auto_engine(
@@ -62,7 +75,9 @@ def auto_engine(
     ``selection.explain()`` says what was chosen, for which workload, and why.
 
     ``model`` is a GGUF file, an HF model directory, or a directory holding both side by side
-    (each backend reads the one it can).
+    (each backend reads the one it can), or a Hugging Face name: ``org/name``,
+    ``org/name@revision``, ``org/name:Q4_K_M`` (docs/models.md), downloaded into the Hugging Face
+    cache when it is not there, the quantization that fits this machine chosen when no tag is given.
     """
     cfg = read_config(
         {"model": os.fspath(model)},
@@ -82,7 +97,8 @@ def load_engine(
     registry: Registry | None = None,
     **overrides: Any,
 ) -> Engine[Any]:
-    """Load the engine a config describes (an ``EngineConfig``, a dict or a TOML path)."""
+    """Load the engine a config describes (an ``EngineConfig``, a dict or a TOML path); its
+    ``model`` may be a Hugging Face name, as ``auto_engine``'s."""
     return _open(read_config(source, **overrides), registry or default_registry())
 
 
@@ -95,6 +111,40 @@ class Choice:
     order: list[type[Engine[Any]]]
     facts: dict[str, tuple[Any, Workload, Plan | None]]
     hardware: Hardware | None
+    #: what a model name resolved to (None for a path); its files may still be to download
+    source: Resolved | None = None
+
+    def fetch(self, cfg: EngineConfig, progress: Progress | None = None) -> EngineConfig:
+        """``cfg`` with its model name replaced by the local path, downloading what is missing
+        (nothing for a path): what ``auto_engine`` does before it loads."""
+        if self.source is None:
+            return cfg
+        local = self.source.local or self.source.fetch(progress)
+        return cfg.model_copy(update={"model": str(local)})
+
+
+def model_info(cfg: EngineConfig, registry: Registry | None = None, hardware: Hardware | None = None) -> Any:
+    """What ``cfg``'s model is, from headers only: a path inspected (a plugin's format
+    included), a name resolved (``resolve_name``; nothing downloaded). ``unillm inspect`` and
+    ``unillm plan`` read a model through it."""
+    cfg, source = resolve_name(cfg, hardware)
+    if source is not None and source.local is None:
+        return source.info
+    return (registry or default_registry()).inspect_model(cfg.model)
+
+
+def resolve_name(cfg: EngineConfig, hardware: Hardware | None) -> tuple[EngineConfig, Resolved | None]:
+    """The one place a model name is resolved (``unillm._hub.resolve``): ``cfg`` as it was for a
+    path; for a name, ``cfg`` with the local path when the files are cached, and the resolution
+    (its files, its header-read info, the quantization chosen for ``cfg``'s workload)."""
+    name = parse_model_name(cfg.model)
+    if name is None:
+        return cfg, None
+    from unillm._hub import resolve
+
+    resolved = resolve(name, hardware=hardware, workload=lambda info: workload_for(cfg, info))
+    local = resolved.local
+    return (cfg.model_copy(update={"model": str(local)}) if local else cfg), resolved
 
 
 def choose(
@@ -114,6 +164,42 @@ def choose(
         available = {name: info.availability() for name, info in backends.items()}
     if hardware is None:
         hardware = _machine()
+    given, note = cfg, None
+    try:
+        cfg, source = resolve_name(cfg, hardware)
+    except (ModelNotFound, DownloadError) as exc:
+        if not cfg.backend:
+            raise
+        # a forced backend may take a name unillm cannot resolve (a model on a server): it decides
+        source, note = (
+            None,
+            f"{cfg.model!r} is not resolved on the hub ({_first_line(exc)}); {cfg.backend} takes it as given",
+        )
+    forced = (
+        registry.get(cfg.backend) if cfg.backend and source is not None and source.local is None else None
+    )
+    if forced is not None and source is not None and source.info.format not in forced.formats:
+        cfg, source = given, None  # not a file the forced backend reads: nothing is downloaded for it
+    remote = source.info if source is not None and source.local is None else None
+    choice = _choose(cfg, registry, backends, available, hardware, remote)
+    if note:
+        choice.selection.steps.append(note)
+    if source is not None:
+        choice.source = source
+        choice.selection.model = str(source.name)
+        choice.selection.files = source.lines()
+    return choice
+
+
+def _choose(
+    cfg: EngineConfig,
+    registry: Registry,
+    backends: Any,
+    available: Mapping[str, Availability],
+    hardware: Hardware | None,
+    remote: ModelInfo | None,
+) -> Choice:
+    """``choose`` once the model is a local path, or a name's header-read info (``remote``)."""
     guide = registry.guide()
     if cfg.backend:
         env_backend = os.environ.get("UNILLM_BACKEND", "")
@@ -127,7 +213,7 @@ def choose(
         # A forced backend may read what unillm cannot inspect (a plugin's own format, a model
         # name on a server): the backend itself reports a missing or unreadable model.
         try:
-            model: Any = registry.inspect_model(cfg.model)
+            model: Any = remote or registry.inspect_model(cfg.model)
         except (ModelFormatError, ModelNotFound):
             model = _ModelRef(cfg.model, "unknown")
         workload = workload_for(cfg, model)
@@ -155,7 +241,7 @@ def choose(
     # One selection per format the model is held in (a directory may hold an HF directory and
     # a GGUF of the same weights): each backend is ranked on the format it reads.
     per_format = []
-    for info in _inspect_all(cfg.model, registry):
+    for info in [remote] if remote is not None else _inspect_all(cfg.model, registry):
         wl = workload_for(cfg, info)
         pl = _plan(info, hardware, wl)
         sel = select(hardware, info, wl, backends, available=available, plan=pl, guide_entries=guide)
@@ -185,6 +271,17 @@ def choose(
 def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     choice = choose(cfg, registry)
     selection = choice.selection
+    if choice.source is not None:
+        remote = choice.source.local is None
+        local = choice.fetch(cfg)
+        if remote:
+            # downloaded just now: the engines read the files, with the facts read from them
+            info = registry.inspect_model(local.model)
+            facts = choice.facts.items()
+            choice.facts = {
+                n: ((info if isinstance(m, ModelInfo) else m), wl, pl) for n, (m, wl, pl) in facts
+            }
+        cfg = local
     if not choice.order:
         rejected = [(c.name, "; ".join(c.blockers)) for c in selection.candidates]
         if selection.recommendation:

@@ -53,6 +53,7 @@ class Selection:
     answers: list[tuple[str, str]] = field(default_factory=list)  # the field's ten questions
     recommendation: str | None = None  # the guide's first choice when it is not installed
     workload: str | None = None  # the workload selected for, in words
+    files: list[str] = field(default_factory=list)  # a model name: what it resolved to, quantizations weighed
 
     def explain(self) -> str:
         """A plain-text account: the choice, every candidate with its reasons, the ten questions."""
@@ -62,6 +63,9 @@ class Selection:
         ]
         if self.workload:
             lines.append(f"workload: {self.workload}")
+        if self.files:
+            lines.append("files:")
+            lines.extend(f"  {line}" for line in self.files)
         lines.append("candidates:")
         for c in self.candidates:
             mark = "+" if c.eligible else "-"

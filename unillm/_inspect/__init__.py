@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from dataclasses import replace as _replace
 from pathlib import Path
+from typing import Any
 
 from unillm._inspect._cache import _resolve, read_model_config, resolve_model_dir
 from unillm._inspect._files import _kind, _listing
 from unillm._inspect._files import _open as _open
 from unillm._inspect._format import _file_format, detect_format
-from unillm._inspect._gguf import read_gguf_header
-from unillm._inspect._gguf_info import _inspect_gguf, _split_stem
+from unillm._inspect._gguf import read_gguf_header, read_gguf_stream
+from unillm._inspect._gguf_info import _inspect_gguf, _split_stem, gguf_info, lazy_enough
 from unillm._inspect._gguf_info import _lazy_enough as _lazy_enough
 from unillm._inspect._gguf_lazy import _positions as _positions
 from unillm._inspect._gguf_reader import GGML_BLOCKS as GGML_BLOCKS
@@ -38,14 +39,19 @@ from unillm._inspect._gguf_reader import GGUF_MAGIC as GGUF_MAGIC
 from unillm._inspect._gguf_reader import GGUFHeader
 from unillm._inspect._gguf_reader import _Reader as _Reader
 from unillm._inspect._hf import _inspect_hf
-from unillm._inspect._model import ModelInfo
+from unillm._inspect._model import ModelInfo, bits_per_weight
 
 __all__ = [
     "GGUFHeader",
     "ModelInfo",
+    "bits_per_weight",
     "detect_format",
+    "gguf_info",
+    "hf_info",
     "inspect_model",
+    "lazy_enough",
     "read_gguf_header",
+    "read_gguf_stream",
     "read_model_config",
     "resolve_model_dir",
 ]
@@ -82,3 +88,20 @@ def inspect_model(path_or_id: str | Path) -> ModelInfo:
     if not ggufs and _listing(p, ".safetensors"):
         return _inspect_hf(p, config={})
     return ModelInfo(str(p), detect_format(p))  # raises the directory's ModelFormatError
+
+
+def hf_info(name: str, config: dict[str, Any], weights_bytes: int | None) -> ModelInfo:
+    """The ``ModelInfo`` of an HF-format model known by its ``config.json`` and the size of its
+    weights alone (a repo on the hub before a download): the shape from the config, the weights'
+    size as the hub lists it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        info = _inspect_hf(Path(d), files=[], config=config)
+    weights = info.weights_bytes or weights_bytes
+    bits = info.bits_per_weight or bits_per_weight(info.quantization)
+    params = info.parameters or (round(weights * 8 / bits) if weights and bits else None)
+    return _replace(
+        info, path=name, weights_bytes=weights, parameters=params, bits_per_weight=bits, files=(),
+        estimated=("parameters",) if params and not info.parameters else info.estimated,
+    )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from unillm._errors import ModelFormatError, ModelNotFound, UnillmError
 from unillm._inspect._files import _kind, _listing, _open, _unreadable
@@ -53,6 +53,13 @@ def read_gguf_header(path: str | Path, *, keep_arrays: bool = False, lazy: bool 
             raise
         except OSError as exc:  # a seek or read failing under us (EIO on a failing disk)
             raise _unreadable(p, exc) from exc
+
+
+def read_gguf_stream(f: BinaryIO, name: str, size: int, *, lazy: bool = False) -> GGUFHeader:
+    """A GGUF header read from an open binary stream of ``size`` bytes (``read``, ``seek``): a
+    file on the hub read by range requests. ``name`` is what errors call it; ``lazy`` as in
+    ``read_gguf_header``. The same caps and checks as a file on disk."""
+    return _parse_gguf(_Reader(f, name, size), False, lazy)  # type: ignore[arg-type]
 
 
 def _gguf_directory(p: Path) -> ModelFormatError:

@@ -59,6 +59,14 @@ def _inspect_gguf(p: Path, *, lazy: bool = True) -> ModelInfo:
     for q in parts:
         h = read_gguf_header(q, lazy=lazy)
         headers.append(h if _lazy_enough(h) else read_gguf_header(q))
+    return gguf_info(str(p), [str(q) for q in parts], headers)
+
+
+def gguf_info(p: str, parts: list[str], headers: list[GGUFHeader]) -> ModelInfo:
+    """The ``ModelInfo`` of the GGUF model at ``p`` from the headers of its ``parts`` (one file,
+    or a split set first part first), however they were read: from disk, or by range requests
+    before a download (``read_gguf_stream``; each read lazily when ``lazy_enough`` says it holds
+    what inspection needs)."""
     for q, h in zip(parts, headers, strict=True):
         if h.truncated:
             raise ModelFormatError(
@@ -133,7 +141,7 @@ def _inspect_gguf(p: Path, *, lazy: bool = True) -> ModelInfo:
         experts_per_token=used,
         multimodal=multimodal,
         hybrid_attention=hybrid,
-        files=tuple(str(q) for q in parts),
+        files=tuple(parts),
         estimated=estimated,
     )
 
@@ -161,3 +169,6 @@ def _file_type_name(md: dict[str, Any]) -> str | None:
 def _file_type_bits(md: dict[str, Any]) -> float | None:
     """The usual bits per weight of the file type, scales included (the planner's table)."""
     return bits_per_weight(_file_type_name(md))
+
+
+lazy_enough = _lazy_enough  # for a header read elsewhere (``gguf_info``'s callers)

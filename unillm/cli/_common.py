@@ -11,7 +11,9 @@ from typing import Annotated, Any
 import typer
 
 # Arguments the inspect / plan / select commands share.
-ModelArg = Annotated[str, typer.Argument(help="A .gguf file, a model directory or a cached HF id.")]
+ModelArg = Annotated[
+    str, typer.Argument(help="A .gguf file, a model directory, or a name: org/name[@revision][:QUANT].")
+]
 ContextOpt = Annotated[int | None, typer.Option(help="Context length per sequence.")]
 ConcurrencyOpt = Annotated[int, typer.Option(help="Sequences at once.")]
 GoalOpt = Annotated[str, typer.Option(help="latency, throughput, cost or portability.")]
@@ -24,7 +26,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 RunModelArg = Annotated[
     str | None,
     typer.Argument(
-        help="A .gguf file or a model directory; may be left out when --config or UNILLM_MODEL names one.",
+        help="A .gguf file, a model directory or a name (org/name[:QUANT]); may be left out when "
+        "--config or UNILLM_MODEL names one.",
         show_default=False,
     ),
 ]

@@ -86,10 +86,11 @@ def inspect_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Read a model's format, quantization, size and shape from its headers (never its weights)."""
-    from unillm._choose._registry import default_registry
+    from unillm._choose._auto import model_info
+    from unillm._types import EngineConfig
 
     with _reported():
-        info = default_registry().inspect_model(model)  # a plugin's format included
+        info = model_info(EngineConfig(model=model))  # a plugin's format, or a name, included
     if as_json:
         _dump(info)
         return
@@ -123,7 +124,7 @@ def plan_cmd(
 
     Exit status: 0 when it fits, 1 when it does not, 2 on bad input.
     """
-    from unillm._choose._auto import workload_for
+    from unillm._choose._auto import model_info, workload_for
     from unillm._choose._registry import default_registry
     from unillm._plan._estimate import plan
 
@@ -131,8 +132,9 @@ def plan_cmd(
     with _reported():
         registry = default_registry()
         memory = getattr(registry.get(backend), "memory", None) if backend else None
-        info = registry.inspect_model(model)
-        result = plan(info, _hardware(hardware), workload_for(cfg, info), engine=memory)
+        machine = _hardware(hardware)
+        info = model_info(cfg, registry, machine)  # a name: the quantization that fits, headers only
+        result = plan(info, machine, workload_for(cfg, info), engine=memory)
     if as_json:
         _dump(result)
     else:

@@ -21,15 +21,17 @@ It answers what ``huggingface_hub`` calls, the way the real hub does:
 
 It never sends ``xetHash`` nor ``X-Xet-*`` headers, so ``huggingface_hub`` downloads over plain
 HTTP even with ``hf_xet`` installed. ``served`` counts the bytes of each file sent (keyed
-``repo/path``); ``cut_after`` drops the connection after that many bytes of a file, once, to
-simulate an interrupted download.
+``repo/path``); ``cut_after`` drops the connection after that many bytes of a whole-file GET of a file, once,
+to simulate an interrupted download.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import socket
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -105,6 +107,7 @@ class HubServer:
         self._servers: list[ThreadingHTTPServer] = []  # the hub, then its "CDN"
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()  # open, kept alive: closed by stop()
 
     @property
     def url(self) -> str:
@@ -166,6 +169,10 @@ class HubServer:
         for server in self._servers:
             server.shutdown()
             server.server_close()
+        with self._lock:  # a client's kept-alive connection would go on being served
+            for conn in list(self._connections):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(timeout=10)
         self._servers, self._threads = [], []
@@ -195,6 +202,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read ``requests``
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server_hub._lock:
+            self.server_hub._connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server_hub._lock:
+            self.server_hub._connections.discard(self.connection)
+        super().finish()
 
     def do_HEAD(self) -> None:
         self._answer(head=True)
@@ -340,8 +357,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        with hub._lock:
-            cut = hub.cut_after.pop(key, None)
+        with hub._lock:  # a whole-file GET is cut, not a range read (a header, a resume)
+            cut = None if ranged else hub.cut_after.pop(key, None)
         # counted before it is sent: a client may read the count as soon as it has the bytes
         if cut is not None:  # send part of it, then drop the connection
             with hub._lock:

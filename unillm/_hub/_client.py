@@ -1,0 +1,193 @@
+"""The hub as unillm talks to it: the environment read at each call, a repo's file list at a
+revision (from the hub, or from the cache alone when offline), and the hub's errors as unillm's.
+
+``huggingface_hub`` reads ``HF_ENDPOINT``, ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` once, when it is
+imported; unillm reads them when a name is resolved and passes them on, so a process that changes
+them (a test, a server reloading its config) is honoured. It is imported here only on use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unillm._errors import (
+    DownloadError,
+    GatedModel,
+    ModelNotFound,
+    NotCached,
+    RepoNotFound,
+    RevisionNotFound,
+    UnillmError,
+)
+from unillm._names import ModelName
+
+__all__ = ["HubEnv", "Listing", "RemoteFile", "hub_env", "listing", "mapped_errors", "repo_dir"]
+
+_DEFAULT_ENDPOINT = "https://huggingface.co"
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass(frozen=True)
+class HubEnv:
+    """Where the hub and the cache are, read from the environment when a name is resolved."""
+
+    endpoint: str
+    cache_dir: Path
+    offline: bool
+    token: str | None
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_env() -> HubEnv:
+    """``HF_ENDPOINT``, ``HF_HUB_CACHE`` (else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``),
+    ``HF_HUB_OFFLINE`` and ``HF_TOKEN``, as ``huggingface_hub`` reads them, but now."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
+    cache = (
+        os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    )
+    return HubEnv(
+        endpoint=(os.environ.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/"),
+        cache_dir=Path(os.path.expandvars(os.path.expanduser(cache))),
+        offline=_truthy(os.environ.get("HF_HUB_OFFLINE")),
+        token=os.environ.get("HF_TOKEN") or None,
+    )
+
+
+def repo_dir(env: HubEnv, repo: str) -> Path:
+    """The repo's folder in the cache (``models--org--name``), ``huggingface_hub``'s layout."""
+    return env.cache_dir / ("models--" + repo.replace("/", "--"))
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file of a repo: its size and, for an LFS file, the sha256 the hub states."""
+
+    size: int
+    sha256: str | None = None
+
+
+@dataclass
+class Listing:
+    """A repo at one commit: its files, and whether the list came from the cache alone."""
+
+    name: ModelName
+    commit: str
+    files: dict[str, RemoteFile] = field(default_factory=dict)
+    cached_only: bool = False
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {p: f.size for p, f in self.files.items()}
+
+
+def _hf() -> Any:
+    """``huggingface_hub``, imported on first use, told the offline mode the environment says now."""
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError:
+        raise DownloadError(
+            "models by name need huggingface_hub: pip install 'unillm[hub]' (or pass a local path)"
+        ) from None
+    constants.HF_HUB_OFFLINE = _truthy(os.environ.get("HF_HUB_OFFLINE"))
+    return huggingface_hub
+
+
+@contextlib.contextmanager
+def mapped_errors(name: ModelName, env: HubEnv) -> Iterator[None]:
+    """The hub's errors as unillm's, branching on ``huggingface_hub``'s exception types (the hub
+    answers a missing repo with 401 to an anonymous caller, 404 with a token)."""
+    from huggingface_hub import errors
+
+    try:
+        yield
+    except errors.GatedRepoError as exc:
+        raise GatedModel(name.repo, env.endpoint) from exc
+    except errors.RepositoryNotFoundError as exc:
+        raise RepoNotFound(name.repo, env.endpoint) from exc
+    except errors.RevisionNotFoundError as exc:
+        raise RevisionNotFound(name.repo, name.revision or "main") from exc
+    except errors.RemoteEntryNotFoundError as exc:
+        raise ModelNotFound(f"{name}: {exc}") from exc
+    except errors.OfflineModeIsEnabled as exc:
+        raise NotCached(str(name), str(env.cache_dir)) from exc
+    except errors.HfHubHTTPError as exc:
+        raise DownloadError(f"the hub at {env.endpoint} refused {str(name)!r}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _unreachable(exc: BaseException) -> bool:
+    import httpx2
+
+    return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
+
+
+def listing(name: ModelName, env: HubEnv) -> Listing:
+    """The files of ``name``'s repo at its revision. Online: the hub's list (one API call; sizes
+    and LFS checksums). Offline, or with the hub unreachable: what the cache holds of that
+    revision, without a network call; ``NotCached`` when it holds nothing."""
+    if not env.offline:
+        hf = _hf()
+        api = hf.HfApi(endpoint=env.endpoint, token=env.token or None)
+        try:
+            with mapped_errors(name, env):
+                info = api.model_info(name.repo, revision=name.revision, files_metadata=True)
+        except UnillmError:
+            raise
+        except Exception as exc:  # the hub cannot be reached: what the cache holds will do
+            if not _unreachable(exc):
+                raise
+            cached = cached_listing(name, env)
+            if cached is None:
+                raise DownloadError(
+                    f"cannot reach the hub at {env.endpoint} ({_first_line(exc)}) and {str(name)!r} "
+                    f"is not in the cache ({env.cache_dir}): check the network, or HF_ENDPOINT"
+                ) from exc
+            return cached
+        files = {}
+        for s in info.siblings or []:
+            lfs = getattr(s, "lfs", None)
+            files[s.rfilename] = RemoteFile(int(s.size or 0), getattr(lfs, "sha256", None) if lfs else None)
+        return Listing(name, str(info.sha), files)
+    cached = cached_listing(name, env)
+    if cached is None:
+        raise NotCached(str(name), str(env.cache_dir))
+    return cached
+
+
+def cached_listing(name: ModelName, env: HubEnv) -> Listing | None:
+    """What the cache holds of ``name``'s revision (its ``refs/`` or a commit named outright), or
+    None; no network call."""
+    folder = repo_dir(env, name.repo)
+    revision = name.revision or "main"
+    commit: str | None = None
+    ref = folder / "refs" / revision
+    if ref.is_file():
+        commit = ref.read_text(encoding="utf-8").strip()
+    elif COMMIT.fullmatch(revision):
+        commit = revision
+    if commit is None:
+        return None
+    snapshot = folder / "snapshots" / commit
+    if not snapshot.is_dir():
+        return None
+    files = {}
+    for p in sorted(snapshot.rglob("*")):
+        if p.is_file():  # a link to a blob that is there
+            files[p.relative_to(snapshot).as_posix()] = RemoteFile(p.stat().st_size)
+    return Listing(name, commit, files, cached_only=True) if files else None
