@@ -18,14 +18,14 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV
-from unillm.testing import SIZES, TinyModel, build_tiny_model
+from unillm.testing import SIZES, HubServer, TinyModel, build_tiny_model, tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -231,6 +231,33 @@ def doc_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModel, Path
     return build_tiny_model(tmp_path_factory.mktemp("user-model"), spec), tmp_path_factory.mktemp("cache")
 
 
+#: The repos the docs name -> their files: the user's model in each quantization, under the names
+#: the real repo gives its files, served by a Hugging Face Hub on loopback (no network here).
+HUB_REPOS: dict[str, dict[str, str]] = {
+    "Qwen/Qwen2.5-0.5B-Instruct-GGUF": {
+        "qwen2.5-0.5b-instruct-fp16.gguf": "f16",
+        "qwen2.5-0.5b-instruct-q8_0.gguf": "Q8_0",
+        "qwen2.5-0.5b-instruct-q4_0.gguf": "Q4_0",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def doc_hub(
+    doc_model: tuple[TinyModel, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
+    """The environment that points the blocks at the loopback hub and one HF cache they share."""
+    model, _ = doc_model
+    hub = HubServer()
+    for repo, files in HUB_REPOS.items():
+        hub.add(repo, {name: tiny_gguf(quant, model=model)[0] for name, quant in files.items()})
+    with hub:
+        yield {
+            **hub.environ(tmp_path_factory.mktemp("hf-cache")),
+            "HF_HOME": str(tmp_path_factory.mktemp("hf")),
+        }
+
+
 def lay_out(directory: Path, model: TinyModel) -> None:
     """Put the user's files of ``USER_FILES`` and ``DOC_FILES`` into ``directory``."""
     stand_ins = {"tiny:gguf": model.gguf_path, "tiny:hf": model.hf_dir, "tiny:root": model.root}
@@ -297,7 +324,9 @@ def params() -> list[object]:
 
 
 @pytest.mark.parametrize("block", params())
-def test_doc_example_runs(block: Block, doc_model: tuple[TinyModel, Path], tmp_path: Path) -> None:
+def test_doc_example_runs(
+    block: Block, doc_model: tuple[TinyModel, Path], doc_hub: dict[str, str], tmp_path: Path
+) -> None:
     reason = skip_reason(block)
     if reason is not None:
         pytest.skip(f"not run: {reason}")
@@ -307,7 +336,7 @@ def test_doc_example_runs(block: Block, doc_model: tuple[TinyModel, Path], tmp_p
         run = run_for(block, block.code)
         script = tmp_path / "doc_example.py"
         script.write_text(applied(block.code, run), encoding="utf-8")
-        execute([PYTHON, script.name], tmp_path, environment(cache, run.env), run, block.id)
+        execute([PYTHON, script.name], tmp_path, environment(cache, {**doc_hub, **run.env}), run, block.id)
         return
     for command in bash_commands(block.code):
         run = run_for(block, command)
@@ -319,5 +348,5 @@ def test_doc_example_runs(block: Block, doc_model: tuple[TinyModel, Path], tmp_p
         assert words[0] == "unillm", (
             f"{block.id}: {command!r} is not a unillm command: run it here or list it in NOT_RUN with why"
         )
-        env = environment(cache, {**run.env, **assignments})
+        env = environment(cache, {**doc_hub, **run.env, **assignments})
         execute([PYTHON, "-m", "unillm", *words[1:]], tmp_path, env, run, f"{block.id}: {command!r}")

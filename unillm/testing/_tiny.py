@@ -378,13 +378,16 @@ def tiny_gguf(
     size: Literal["small", "bench"] = "small",
     split: int = 0,
     cache_dir: str | Path | None = None,
+    model: TinyModel | None = None,
 ) -> list[Path]:
-    """The tiny model's GGUF in ``quant`` (one of ``QUANTS``), built on first use: one file, or
-    with ``split`` the parts of a split set of at most that many tensors each (first part first).
+    """The tiny model's GGUF in ``quant`` (one of ``QUANTS``), built on first use beside it: one
+    file, or with ``split`` the parts of a split set of at most that many tensors each (first
+    part first). ``model`` is a tiny model already built (any spec), else the one of ``size``.
     The weights are the HF directory's, so every quantization is the same model."""
     if quant not in QUANTS:
         raise ValueError(f"quant is one of {', '.join(QUANTS)}, got {quant!r}")
-    model = tiny_model(size, cache_dir)
+    model = model or tiny_model(size, cache_dir)
+    size = model.gguf_path.name.split("-")[1]  # type: ignore[assignment]  # tiny-<size>-f32.gguf
     folder = model.root / (f"quants-split{split}" if split else "quants")
     path = folder / f"tiny-{size}-{quant}.gguf"
     stem = path.stem
