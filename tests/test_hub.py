@@ -27,7 +27,7 @@ from unillm import (
 )
 from unillm.testing import HubServer, tiny_hub
 
-from .conftest import needs_llama_cpp
+from .conftest import HAS_LLAMA_CPP, needs_llama_cpp
 
 pytest.importorskip("huggingface_hub")
 
@@ -450,8 +450,9 @@ def test_pull_models_rm(hub: HubServer, cache: Path) -> None:
         and hf["quantization"] == "float32"
         and "model.safetensors" in hf["files"]
     )
+    assert gguf["backend"] == "llama.cpp" or not HAS_LLAMA_CPP
     table = runner.invoke(app, ["models"]).stdout
-    assert "unillm/tiny-gguf" in table and "Q4_0" in table
+    assert "unillm/tiny-gguf" in table and "Q4_0" in table and table.startswith("id")
     out = runner.invoke(app, ["inspect", "unillm/tiny-gguf:F16"])  # headers only
     assert out.exit_code == 0 and "F16" in out.stdout and not list(cache.rglob("*f16.gguf"))
     out = runner.invoke(app, ["rm", "unillm/tiny-gguf"])
@@ -494,3 +495,41 @@ def test_a_forced_backend_takes_a_name_the_hub_does_not_have(hub: HubServer, cac
     assert any("not resolved on the hub" in step for step in selection.steps)
     with pytest.raises(RepoNotFound):
         choose(EngineConfig(model="unillm/nope"))
+
+
+@needs_llama_cpp
+def test_generate_downloads_a_name_then_runs_it(hub: HubServer, cache: Path) -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    out = CliRunner().invoke(
+        app, ["generate", "unillm/tiny-gguf:Q4_0", "Hello", "--max-tokens", "3", "--context", "256"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "tiny-small-Q4_0.gguf" in out.stderr and "(100%)" in out.stderr  # progress as log lines
+    assert list(cache.rglob("tiny-small-Q4_0.gguf"))
+
+
+def test_the_hub_variables_are_read_when_a_name_is_resolved(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from unillm._hub import hub_env
+
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    env = hub_env()
+    assert env.cache_dir == tmp_path / "home" / "hub" and not env.offline and env.token is None
+    assert env.endpoint == "https://huggingface.co"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example/")
+    env = hub_env()
+    assert (env.cache_dir, env.offline, env.token, env.endpoint) == (
+        tmp_path / "cache",
+        True,
+        "hf_x",
+        "http://mirror.example",
+    )

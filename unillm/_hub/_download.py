@@ -64,11 +64,18 @@ def fetch(listing: Listing, paths: list[str], env: HubEnv, progress: Progress | 
         free = shutil.disk_usage(blobs).free
         if need > free:
             raise DiskFull(str(listing.name), need, free, str(blobs))
+        from huggingface_hub.utils import WeakFileLock
+
         for p in missing:
             meta = metas[p]
             blob = blobs / _etag(meta.etag)
-            if not blob.is_file():
-                _transfer(listing, p, meta, blob, env, report)
+            # huggingface_hub's own lock for this blob: another process (unillm's or the hub
+            # library's) downloading it waits here, then finds it whole
+            lock = env.cache_dir / ".locks" / folder.name / f"{blob.name}.lock"
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with WeakFileLock(lock):
+                if not blob.is_file():
+                    _transfer(listing, p, meta, blob, env, report)
             _link(blob, snapshot / p)
     revision = listing.name.revision or "main"
     if not listing.cached_only and not COMMIT.fullmatch(revision):

@@ -80,21 +80,45 @@ def pull(
 
 
 def models_cmd(as_json: JsonOpt = False) -> None:
-    """List the models in the Hugging Face cache: id, revision, files, size, format, quantization."""
+    """List the models in the Hugging Face cache: id, revision, files, size, format,
+    quantization, and the backend that would run it here."""
     from unillm._hub import cached_models
 
-    found = cached_models()
+    found = [{**m.as_dict(), "backend": _backend(m)} for m in cached_models()]
     if as_json:
-        _dump([m.as_dict() for m in found])
+        _dump(found)
         return
     if not found:
         print("no models cached (HF_HUB_CACHE); `unillm pull org/name` downloads one")
         return
-    print(f"{'id':40s} {'revision':14s} {'files':>5s} {'size':>10s} {'format':12s} quantization")
+    rows = [("id", "revision", "files", "size", "format", "quantization", "backend")]
     for m in found:
-        rev = m.revision[:12] + (f" ({','.join(m.refs)})" if m.refs else "")
-        size = _human(m.size)
-        print(f"{m.id:40s} {rev:14s} {len(m.files):5d} {size:>10s} {m.format:12s} {m.quantization or '-'}")
+        refs: list[str] = m["refs"]  # type: ignore[assignment]
+        rev = str(m["revision"])[:12] + (f" ({','.join(refs)})" if refs else "")
+        size, files = _human(m["size"]), str(len(m["files"]))  # type: ignore[arg-type]
+        quant, backend = str(m["quantization"] or "-"), str(m["backend"] or "-")
+        rows.append((str(m["id"]), rev, files, size, str(m["format"]), quant, backend))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def _backend(model: object) -> str | None:
+    """The backend ``auto_engine`` would run a cached model with here (its first GGUF, or the
+    snapshot folder), from headers; None when none can."""
+    from pathlib import Path
+
+    from unillm._choose._auto import choose
+    from unillm._hub._files import gguf_files
+    from unillm._types import EngineConfig
+
+    snapshot = Path(model.path)  # type: ignore[attr-defined]
+    ggufs = gguf_files(dict.fromkeys(model.files, 0))  # type: ignore[attr-defined]
+    path = snapshot / ggufs[0].path if ggufs else snapshot
+    try:
+        return choose(EngineConfig(model=str(path))).selection.backend or None
+    except Exception:  # a listing: a model that cannot be read says "-", the rest still list
+        return None
 
 
 def _human(n: int) -> str:

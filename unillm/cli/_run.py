@@ -71,8 +71,25 @@ def _open_engine(
             context_length=context,
             options=opts or None,
         )
+        _download(cfg)
         with _loading(cfg):
             return load_engine(cfg)
+
+
+def _download(cfg: EngineConfig) -> None:
+    """A model name's files fetched before the spinner starts: bars on a terminal, lines otherwise."""
+    from unillm._names import parse_model_name
+
+    if parse_model_name(cfg.model) is None:
+        return
+    from unillm._choose._auto import resolve_name
+    from unillm._contract._facts import machine
+    from unillm.cli._models import _log_lines
+
+    with _log_lines():
+        _, source = resolve_name(cfg, machine())
+        if source is not None and source.local is None:
+            source.fetch()
 
 
 @contextlib.contextmanager
