@@ -5,7 +5,7 @@ range requests, parsed by inspection's own reader with its caps and checks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from unillm._errors import ModelFormatError
 from unillm._hub._client import HubEnv, Listing, _hf, mapped_errors
@@ -66,10 +66,11 @@ def remote_gguf_info(listing: Listing, gguf: GgufFile, env: HubEnv) -> ModelInfo
             meta = hf.get_hf_file_metadata(url, token=env.token or None)
             f = RangeFile(meta.location, meta.size or listing.files[part].size, _headers(env))
             shown = f"{listing.name.repo}/{part}"
-            h = read_gguf_stream(f, shown, f.size, lazy=True)
+            stream = cast(BinaryIO, f)  # what the reader uses of a file: read, seek
+            h = read_gguf_stream(stream, shown, f.size, lazy=True)
             if not lazy_enough(h):  # the shape keys come after the vocabulary: read it all
                 f.seek(0)
-                h = read_gguf_stream(f, shown, f.size)
+                h = read_gguf_stream(stream, shown, f.size)
             headers.append(h)
     parts = [f"{listing.name.repo}/{p}" for p in gguf.parts]
     return gguf_info(parts[0], parts, headers)

@@ -112,13 +112,11 @@ class HubServer:
     @property
     def url(self) -> str:
         assert self._servers, "start() the server first"
-        host, port = self._servers[0].server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._servers[0].server_address[1]}"
 
     @property
     def cdn_url(self) -> str:
-        host, port = self._servers[1].server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._servers[1].server_address[1]}"
 
     def environ(self, cache_dir: str | Path) -> dict[str, str]:
         """The environment that points ``huggingface_hub`` (and unillm) at this server and a cache."""
@@ -135,9 +133,11 @@ class HubServer:
             "HF_HUB_DOWNLOAD_TIMEOUT": "5",
         }
 
-    def add(self, repo_id: str, files: Mapping[str, bytes | Path], **flags: bool) -> HubRepo:
+    def add(
+        self, repo_id: str, files: Mapping[str, bytes | Path], *, gated: bool = False, private: bool = False
+    ) -> HubRepo:
         """A repo ``repo_id`` with one commit of ``files`` on ``main``."""
-        repo = self.repos.setdefault(repo_id, HubRepo(**flags))
+        repo = self.repos.setdefault(repo_id, HubRepo(gated=gated, private=private))
         repo.add_commit(files)
         return repo
 

@@ -339,7 +339,7 @@ def _write_gguf(
         else:
             put(name, gguf.quants.quantize(t, qt), raw_dtype=qt)
 
-    w.add_tensor = add  # type: ignore[method-assign]
+    w.add_tensor = add  # type: ignore[method-assign,assignment]
     w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
     for layer in range(spec.num_layers):
         p, b = f"model.layers.{layer}.", f"blk.{layer}."
