@@ -533,3 +533,24 @@ def test_the_hub_variables_are_read_when_a_name_is_resolved(
         "hf_x",
         "http://mirror.example",
     )
+
+
+@needs_llama_cpp
+def test_serve_takes_a_name(hub: HubServer, cache: Path) -> None:
+    import httpx
+
+    from ._server_util import start_server
+
+    server = start_server(
+        ["unillm/tiny-gguf:Q8_0", "--context", "256"], env={"PYTHONPATH": str(Path(__file__).parent.parent)}
+    )
+    try:
+        served = [m["id"] for m in httpx.get(f"{server.v1}/models").json()["data"]]
+        assert served == ["tiny-gguf:Q8_0"]
+        r = httpx.post(
+            f"{server.v1}/completions", json={"model": served[0], "prompt": "Hi", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        server.stop()
+    assert list(cache.rglob("tiny-small-Q8_0.gguf"))
