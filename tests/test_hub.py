@@ -25,7 +25,7 @@ from unillm import (
     RevisionNotFound,
     SamplingParams,
 )
-from unillm.testing import HubServer, tiny_hub
+from unillm.testing import SIZES, HubServer, tiny_hub
 
 from .conftest import HAS_LLAMA_CPP, needs_llama_cpp
 
@@ -316,9 +316,14 @@ def test_select_and_inspect_read_headers_only(hub: HubServer, cache: Path) -> No
     assert "quantizations" in text and "* F32" in text and "the highest precision that fits" in text
     for key, sent in hub.served.items():  # a header or two, never a whole file
         assert sent < len(_data(hub, "unillm/tiny-gguf", key.rsplit("/", 1)[1])) / 2, key
-    info = model_info(EngineConfig(model="unillm/tiny"))
-    assert info.layers == 2 and info.weights_bytes == len(_data(hub, "unillm/tiny", "model.safetensors"))
-    assert "unillm/tiny/model.safetensors" not in hub.served and "unillm/tiny/config.json" in hub.served
+    info = model_info(EngineConfig(model="unillm/tiny"))  # config.json, then the safetensors header
+    weights = len(_data(hub, "unillm/tiny", "model.safetensors"))
+    assert info.layers == 2 and info.weights_bytes < weights and info.parameters == SIZES["small"].n_params
+    assert info.quantization == "f32" and not info.estimated
+    assert (
+        8 < hub.served["unillm/tiny/model.safetensors"] < weights / 100
+        and "unillm/tiny/config.json" in hub.served
+    )
     assert not list(cache.rglob("*.gguf")) and not list(cache.rglob("*.safetensors"))
 
 

@@ -1,6 +1,7 @@
 """What a model on the hub is, read before its weights are fetched: the file list and sizes (the
-listing), ``config.json`` (a few kB, kept in the cache), and each GGUF part's header through HTTP
-range requests, parsed by inspection's own reader with its caps and checks.
+listing), ``config.json`` (a few kB, kept in the cache), and each GGUF part's or safetensors
+file's header through HTTP range requests, parsed by inspection's own readers with their caps
+and checks.
 """
 
 from __future__ import annotations
@@ -10,11 +11,19 @@ from typing import Any, BinaryIO, cast
 from unillm._errors import ModelFormatError
 from unillm._hub._client import HubEnv, Listing, _hf, mapped_errors
 from unillm._hub._files import GgufFile
-from unillm._inspect import ModelInfo, gguf_info, hf_info, lazy_enough, read_gguf_stream
+from unillm._inspect import (
+    ModelInfo,
+    gguf_info,
+    hf_info,
+    lazy_enough,
+    read_gguf_stream,
+    read_safetensors_stream,
+)
 
 __all__ = ["RangeFile", "remote_gguf_info", "remote_hf_info"]
 
 _MAX_CONFIG = 16 << 20
+_MAX_SHARDS = 256  # a few hundred range requests at most; past that, the listed sizes
 
 
 class RangeFile:
@@ -100,4 +109,22 @@ def remote_hf_info(listing: Listing, env: HubEnv, weights: list[str]) -> ModelIn
     if not isinstance(config, dict):
         raise ModelFormatError(f"{listing.name.repo}'s config.json is not a JSON object of at most 16 MiB")
     size = sum(listing.files[w].size for w in weights) or None
-    return hf_info(str(listing.name), config, size)
+    return hf_info(str(listing.name), config, size, _safetensors_headers(listing, env, weights))
+
+
+def _safetensors_headers(listing: Listing, env: HubEnv, weights: list[str]) -> dict[str, list[Any]] | None:
+    """Each safetensors file's header, by two range requests (its length, then the JSON); None
+    past ``_MAX_SHARDS`` files, where the listed sizes do."""
+    if len(weights) > 1:  # Mistral repos ship the same weights twice
+        weights = [w for w in weights if not w.rsplit("/", 1)[-1].startswith("consolidated")] or weights
+    if not weights or len(weights) > _MAX_SHARDS:
+        return None
+    hf = _hf()
+    out = {}
+    with mapped_errors(listing.name, env):
+        for w in weights:
+            url = hf.hf_hub_url(listing.name.repo, w, revision=listing.commit, endpoint=env.endpoint)
+            meta = hf.get_hf_file_metadata(url, token=env.token or None)
+            f = RangeFile(meta.location, meta.size or listing.files[w].size, _headers(env))
+            out[w] = read_safetensors_stream(cast(BinaryIO, f), f"{listing.name.repo}/{w}", f.size)
+    return out

@@ -40,6 +40,7 @@ from unillm._inspect._gguf_reader import GGUFHeader
 from unillm._inspect._gguf_reader import _Reader as _Reader
 from unillm._inspect._hf import _inspect_hf
 from unillm._inspect._model import ModelInfo, bits_per_weight
+from unillm._inspect._safetensors import read_safetensors_stream
 
 __all__ = [
     "GGUFHeader",
@@ -52,6 +53,7 @@ __all__ = [
     "lazy_enough",
     "read_gguf_header",
     "read_gguf_stream",
+    "read_safetensors_stream",
     "read_model_config",
     "resolve_model_dir",
 ]
@@ -90,18 +92,26 @@ def inspect_model(path_or_id: str | Path) -> ModelInfo:
     return ModelInfo(str(p), detect_format(p))  # raises the directory's ModelFormatError
 
 
-def hf_info(name: str, config: dict[str, Any], weights_bytes: int | None) -> ModelInfo:
-    """The ``ModelInfo`` of an HF-format model known by its ``config.json`` and the size of its
-    weights alone (a repo on the hub before a download): the shape from the config, the weights'
-    size as the hub lists it."""
+def hf_info(
+    name: str,
+    config: dict[str, Any],
+    weights_bytes: int | None,
+    headers: dict[str, list[tuple[str, str, int, int]]] | None = None,
+) -> ModelInfo:
+    """The ``ModelInfo`` of an HF-format model known by its ``config.json``, its safetensors
+    ``headers`` (file name -> ``read_safetensors_stream``'s entries) when they were read, else the
+    size of its weights alone (a repo on the hub before a download)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        info = _inspect_hf(Path(d), files=[], config=config)
+        files = [Path(d) / f for f in headers] if headers else []
+        by_path = {str(Path(d) / f): e for f, e in headers.items()} if headers else None
+        info = _inspect_hf(Path(d), files=files, config=config, headers=by_path)
     weights = info.weights_bytes or weights_bytes
     bits = info.bits_per_weight or bits_per_weight(info.quantization)
     params = info.parameters or (round(weights * 8 / bits) if weights and bits else None)
     return _replace(
-        info, path=name, weights_bytes=weights, parameters=params, bits_per_weight=bits, files=(),
+        info, path=name, weights_bytes=weights, parameters=params, bits_per_weight=bits,
+        files=tuple(f"{name}/{f}" for f in headers or ()),
         estimated=("parameters",) if params and not info.parameters else info.estimated,
     )  # fmt: skip

@@ -35,7 +35,11 @@ _MULTIMODAL_KEYS = (
 
 
 def _inspect_hf(
-    d: Path, *, files: list[Path] | None = None, config: dict[str, Any] | None = None
+    d: Path,
+    *,
+    files: list[Path] | None = None,
+    config: dict[str, Any] | None = None,
+    headers: dict[str, list[tuple[str, str, int, int]]] | None = None,
 ) -> ModelInfo:
     if config is None:
         config = _load_json(d / "config.json", _MAX_CONFIG_BYTES)
@@ -58,7 +62,7 @@ def _inspect_hf(
 
     fmt = _format_of_config(config)
     quant, bits, group = _quantization(config, fmt)
-    weights = _read_tensors(d, files if files is not None else _safetensors_files(d), fmt, bits)
+    weights = _read_tensors(d, files if files is not None else _safetensors_files(d), fmt, bits, headers)
     if fmt == "safetensors" and (weights.names_exl2 or weights.names_exl3):
         fmt = "exl2" if weights.names_exl2 else "exl3"
         q = config.get("quantization_config")
@@ -67,7 +71,7 @@ def _inspect_hf(
         if bits is None and isinstance(extra, dict):
             bits = _num(extra.get("bits"))
         quant = f"{fmt}-{bits:g}bit" if bits else fmt
-        weights = _read_tensors(d, weights.files, fmt, bits)
+        weights = _read_tensors(d, weights.files, fmt, bits, headers)
     if quant is None and weights.dtype_elements:
         dominant = max(weights.dtype_elements, key=lambda t: weights.dtype_elements[t])
         quant = _DTYPE_NAMES.get(dominant, dominant.lower())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from unillm._errors import ModelFormatError
 from unillm._inspect._files import _kind, _listing, _open, _read
@@ -75,10 +75,17 @@ def _safetensors_files(d: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(d: Path, files: list[Path], fmt: str, bits: float | None) -> _Tensors:
+def _read_tensors(
+    d: Path,
+    files: list[Path],
+    fmt: str,
+    bits: float | None,
+    headers: dict[str, list[tuple[str, str, int, int]]] | None = None,
+) -> _Tensors:
     out = _Tensors(files)
     for path in files:
-        for name, dtype, count, nbytes in _safetensors_header(path):
+        entries = headers[str(path)] if headers is not None else _safetensors_header(path)
+        for name, dtype, count, nbytes in entries:
             out.nbytes += nbytes
             if name.endswith(_EXL2_MARKERS):
                 out.names_exl2 = True
@@ -116,17 +123,22 @@ def _safetensors_header(path: Path) -> list[tuple[str, str, int, int]]:
     list) and every product bounded, checked before it is used: ``[[1], 100000000]`` would
     otherwise build a list of 10^8 items, ``[[1], 2**40]`` exhaust memory."""
     with _open(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = _read(f, 8, path)
-        if len(raw) != 8:
-            raise ModelFormatError(f"{str(path)!r} is truncated: no safetensors header; download it again")
-        n = int.from_bytes(raw, "little")
-        if n > _MAX_SAFETENSORS_HEADER or n > size - 8:
-            raise ModelFormatError(
-                f"{str(path)!r}: safetensors header length {n} is implausible for a file of "
-                f"{size} bytes (corrupt or hostile file)"
-            )
-        data = _read(f, n, path)
+        return read_safetensors_stream(f, str(path), os.fstat(f.fileno()).st_size)
+
+
+def read_safetensors_stream(f: BinaryIO, path: str, size: int) -> list[tuple[str, str, int, int]]:
+    """``_safetensors_header`` of an open binary stream of ``size`` bytes (``read``): a file on
+    the hub read by range requests, ``path`` what errors call it. The same caps and checks."""
+    raw = _read(f, 8, path)  # type: ignore[arg-type]
+    if len(raw) != 8:
+        raise ModelFormatError(f"{str(path)!r} is truncated: no safetensors header; download it again")
+    n = int.from_bytes(raw, "little")
+    if n > _MAX_SAFETENSORS_HEADER or n > size - 8:
+        raise ModelFormatError(
+            f"{str(path)!r}: safetensors header length {n} is implausible for a file of "
+            f"{size} bytes (corrupt or hostile file)"
+        )
+    data = _read(f, n, path)  # type: ignore[arg-type]
     if len(data) != n:
         raise ModelFormatError(f"{str(path)!r} is truncated inside its safetensors header; download it again")
     header = _parse_json(data, f"{str(path)!r}: the safetensors header", strict=True)
@@ -141,7 +153,7 @@ def _safetensors_header(path: Path) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def _safetensors_entry(path: Path, name: str, t: Any, payload: int) -> tuple[str, int, int]:
+def _safetensors_entry(path: Path | str, name: str, t: Any, payload: int) -> tuple[str, int, int]:
     """(dtype, elements, bytes) of one header entry, every field checked."""
 
     def bad(what: str) -> ModelFormatError:
