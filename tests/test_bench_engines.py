@@ -4,20 +4,18 @@ loopback (``unillm serve`` and llama-cpp-python's own server). Tiny workloads: a
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import importlib.util
 import json
-import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests._server_util import start_server, wait_until
+from tests._server_util import start_server
 from unillm.bench import bench_url, read_result, write_result
 from unillm.bench._meta import REQUIRED, missing_metadata
 
@@ -151,43 +149,59 @@ def _free_port() -> int:
 
 
 @needs_llama_cpp
-def test_http_run_against_llama_cpp_server(tiny: Any) -> None:
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(tiny.gguf_path), "--host", "127.0.0.1",
-        "--port", str(port), "--n_ctx", "512", "--interrupt_requests", "False",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ}
-    )
-    url = f"http://127.0.0.1:{port}/v1"
+def test_the_cli_compares_unillm_serve_with_llama_cpp_python_s_server(tiny: Any, tmp_path: Path) -> None:
+    """``unillm bench MODEL --servers llama-cpp-python``: both servers started on loopback, the same
+    workload on each, a result per server with that server's own memory, the ratios printed, and
+    nothing left running."""
+    import psutil
+    from typer.testing import CliRunner
 
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/models", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return proc.poll() is not None  # ends the wait; the assertion below reports it
+    from unillm.cli import app
 
-    try:
-        wait_until(up, 120, "llama_cpp.server to answer /v1/models")
-        assert proc.poll() is None, "llama_cpp.server exited"
-        wl = {"input_len": 16, "output_len": 6, "requests": 3, "concurrency": [1], "warmup": 1}
-        result = bench_url(url, wl, tokenizer=tiny.hf_dir, engine_name="llama-cpp-python server")
-        s = result["levels"][0]["summary"]
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # a module's server may run
+    args = ["bench", str(tiny.root), "--servers", "llama-cpp-python", "--requests", "3", "--concurrency", "1"]
+    args += ["--input-len", "16", "--output-len", "6", "--warmup", "1", "--context", "512", "--parallel", "2"]
+    res = CliRunner().invoke(app, [*args, "--no-plots", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "unillm serve (llama.cpp) / llama_cpp.server at c=1: output tok/s" in res.output
+    ours = read_result(next(tmp_path.glob("bench-*-unillm-serve-llama.cpp-*.json")))
+    theirs = read_result(next(tmp_path.glob("bench-*-llama-cpp.server-*.json")))
+    assert ours["metadata"]["engine"]["name"] == "unillm serve (llama.cpp)"
+    assert theirs["metadata"]["engine"]["version"] == md.version("llama-cpp-python")
+    for result in (ours, theirs):
+        level = result["levels"][0]
+        s = level["summary"]
         assert s["errors"] == {} and s["completed"] == 3
-        # its server reads no ignore_eos: the result says how many outputs came out short
-        assert s["output_len_mismatches"] == sum(
-            1 for r in result["levels"][0]["records"] if r["output_tokens"] != 6
+        assert {r["input_tokens"] for r in level["records"]} == {16}  # the same prompts on both
+        # the server's resident memory (it loaded the model), not this process's
+        assert (
+            level["memory"]["peak_rss_bytes"]
+            and level["memory"]["peak_rss_bytes"] != psutil.Process().memory_info().rss
         )
-        assert {r["input_tokens"] for r in result["levels"][0]["records"]} == {16}
-        assert result["levels"][0]["kv"]["peak_usage"] is None  # no /metrics: nothing made up
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(15)
+    assert {r["output_tokens"] for r in ours["levels"][0]["records"]} == {6}  # it reads ignore_eos
+    # llama_cpp.server reads no ignore_eos: the result says how many outputs came out short
+    records = theirs["levels"][0]["records"]
+    assert theirs["levels"][0]["summary"]["output_len_mismatches"] == sum(
+        r["output_tokens"] != 6 for r in records
+    )
+    assert theirs["levels"][0]["kv"]["peak_usage"] is None  # no /metrics: nothing made up
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # both servers stopped
+
+
+def test_the_cli_refuses_servers_it_cannot_compare(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from unillm.cli import app
+
+    bad = CliRunner().invoke(app, ["bench", str(tmp_path), "--servers", "ollama"])
+    assert bad.exit_code == 2 and "unknown server 'ollama'" in bad.output and "xllamacpp" in bad.output
+    missing = CliRunner().invoke(
+        app, ["bench", str(tmp_path), "--servers", "xllamacpp", "--peer-python", sys.executable]
+    )
+    if importlib.util.find_spec("xllamacpp") is None:
+        assert missing.exit_code == 2 and "pip install xllamacpp" in missing.output
+    both = CliRunner().invoke(app, ["bench", str(tmp_path), "--servers", "vllm", "--backends", "mlx"])
+    assert both.exit_code == 2 and "--servers" in both.output
 
 
 @needs_llama_cpp

@@ -91,7 +91,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/benchmarks.md", "--backends llama.cpp,mlx --concurrency 1,4"): "loads two engines and runs 32 "
     "requests each; tests/test_bench_engines.py runs this command on the tiny model with a smaller workload",
     ("docs/benchmarks.md", "unillm bench --url"): "needs a running server; tests/test_bench_engines.py "
-    "benchmarks unillm serve and llama-cpp-python's server on loopback",
+    "benchmarks unillm serve on loopback",
+    ("docs/benchmarks.md", "--servers llama-cpp-python,xllamacpp"): "a 1B model and xllamacpp's own "
+    "environment; tests/test_bench_engines.py runs --servers llama-cpp-python on the tiny model",
     ("docs/benchmarks.md", "unillm bench compare"): "needs the result files of earlier runs; "
     "tests/test_bench.py runs compare on written results",
     ("docs/benchmarks.md", "--warmup 2 --context 2048"): "the page's measured run (minutes on the shared "

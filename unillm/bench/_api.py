@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from unillm._inspect import ModelInfo
     from unillm._plan._estimate import Plan
 
-__all__ = ["bench_backends", "bench_engine", "bench_url", "model_path_for"]
+__all__ = ["bench_backends", "bench_engine", "bench_url", "model_path_for", "url_bench", "url_result"]
 
 
 def _run(bench: Bench) -> tuple[list[Level], bool]:
@@ -267,23 +267,62 @@ def bench_url(
 ) -> dict[str, Any]:
     """Benchmark an OpenAI-compatible server at ``url``. ``model`` is the name to send (default:
     the first the server lists); ``model_path`` the model's files on this machine (metadata, and
-    the tokenizer when ``tokenizer`` is not given: an HF directory or its ``tokenizer.json``)."""
-    from unillm._contract._facts import machine
+    the tokenizer when ``tokenizer`` is not given: an HF directory or its ``tokenizer.json``).
+    The server's memory is not sampled (it is not this process's)."""
+    wl = load_workload(workload)
+    bench = url_bench(
+        url, wl, model=model, model_path=model_path, tokenizer=tokenizer, api_key=api_key, progress=progress
+    )
+    levels, interrupted = _run(bench)
+    return url_result(
+        bench, url, levels, interrupted, model_path=model_path, engine_name=engine_name,
+        engine_version=engine_version, price_per_hour=price_per_hour,
+    )  # fmt: skip
+
+
+def url_bench(
+    url: str,
+    wl: BenchWorkload,
+    *,
+    model: str | None = None,
+    model_path: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    api_key: str | None = None,
+    progress: Progress | None = None,
+    keepalive: bool = True,
+) -> Bench:
+    """The benchmark of the server at ``url`` (``bench_url``'s, and each server's of ``bench_servers``)."""
     from unillm._inspect._paths import hf_dir_in
 
-    wl = load_workload(workload)
     tok_source = tokenizer or (hf_dir_in(model_path) if model_path else None)
     tok = HFTokenizer(tok_source) if tok_source else None
     count = (lambda text: len(tok.tokenize(text))) if tok is not None else None
-    target = HttpTarget(url, model or "", wl, api_key=api_key, count_tokens=count)
+    target = HttpTarget(url, model or "", wl, api_key=api_key, count_tokens=count, keepalive=keepalive)
     if not model:
         names = asyncio.run(_models(url, api_key))
         if not names:
             raise BenchError(f"{url} lists no model at /v1/models; pass the model name to send")
         target.model = names[0]
     prompts = Prompts(wl, tok, vocab_size=getattr(tok, "vocab_size", None))
-    bench = Bench(target, wl, prompts, progress=progress)
-    levels, interrupted = _run(bench)
+    return Bench(target, wl, prompts, progress=progress)
+
+
+def url_result(
+    bench: Bench,
+    url: str,
+    levels: list[Level],
+    interrupted: bool,
+    *,
+    model_path: str | Path | None,
+    engine_name: str | None,
+    engine_version: str | None,
+    price_per_hour: float | None,
+) -> dict[str, Any]:
+    """The result document of a server's benchmark."""
+    from unillm._contract._facts import machine
+
+    wl, target = bench.workload, bench.target
+    assert isinstance(target, HttpTarget)
     info = _inspect(model_path)
     hardware = machine()
     engine = {"name": engine_name, "version": engine_version, "url": url, "served_model": target.model}
@@ -299,7 +338,7 @@ def bench_url(
         workload=wl,
         levels=levels,
         output_enforcement=target.output_enforcement,
-        prompt_lengths_exact=prompts.exact,
+        prompt_lengths_exact=bench.prompts.exact,
         plans=_plans(info, hardware, levels, info.context_length if info else None),
         partial=interrupted,
         price_per_hour=price_per_hour,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from typing import Any
 
 from unillm.bench._metrics import RequestRecord, summarize
 from unillm.bench._prompts import Prompts
-from unillm.bench._targets import Target
+from unillm.bench._targets import Target, rss_bytes
 from unillm.bench._workload import BenchWorkload
 
 __all__ = ["Bench", "Level", "arrival_times", "rss_bytes"]
@@ -44,21 +43,6 @@ def arrival_times(n: int, rate: float, *, burstiness: float = 1.0, seed: int = 0
             t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
         out.append(t)
     return out
-
-
-def rss_bytes() -> int | None:
-    """This process's resident memory now, or None where it cannot be read."""
-    try:
-        with open(f"/proc/{os.getpid()}/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:  # no psutil, or a platform it cannot read
-        return None
 
 
 @dataclass
@@ -215,7 +199,8 @@ class Bench:
 
     async def _sample(self, level: Level) -> None:
         while True:
-            rss = rss_bytes()
+            target = self.target
+            rss = None if target.process is None else target.rss(target.process)
             if rss is not None:
                 level.peak_rss_bytes = max(level.peak_rss_bytes or 0, rss)
             kv = await self.target.kv()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Callable
 from time import perf_counter
@@ -41,6 +42,23 @@ _METRIC = re.compile(
 )
 
 
+def rss_bytes(pid: int | None = None) -> int | None:
+    """The resident memory of process ``pid`` (default: this one) now, or None where it cannot be
+    read."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except Exception:  # no psutil, or a platform it cannot read
+        return None
+
+
 class Target:
     """Base of the targets: ``send`` one request, fill its record."""
 
@@ -53,6 +71,10 @@ class Target:
 
     #: seconds between samples of the KV cache while a level runs
     sample_every_s: float = 0.1
+    #: the process whose resident memory a level samples (its engine's; None: unknown, not sampled)
+    process: int | None = os.getpid()
+    #: how that memory is read (``unillm.bench._runner.rss_bytes``; a server's tree for ``--servers``)
+    rss: Callable[[int], int | None] = staticmethod(rss_bytes)
 
     async def kv(self) -> dict[str, Any] | None:
         """The KV cache now, as ``KVStats``'s fields plus ``usage`` (0..1), None when unknown."""
@@ -151,6 +173,7 @@ class HttpTarget(Target):
         *,
         api_key: str | None = None,
         count_tokens: Callable[[str], int] | None = None,
+        keepalive: bool = True,
     ) -> None:
         import httpx
 
@@ -164,11 +187,13 @@ class HttpTarget(Target):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            # keepalive=False: a connection per request, for servers that mishandle kept-alive ones
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None if keepalive else 0),
             headers=headers,
         )
         self._no_metrics = False
         self.sample_every_s = 0.5  # a scrape is a request the server serves too
+        self.process = None  # the server's memory is not this process's: unknown unless told
         self.output_enforcement = (
             "none: structured output ends where the format does"
             if workload.structured

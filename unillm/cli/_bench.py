@@ -3,7 +3,9 @@
 ``unillm bench MODEL --backends llama.cpp,mlx`` runs one workload on each backend (each in its own
 format of the model's weights), writes one JSON result per backend, prints the table and draws
 the plots. ``unillm bench --url URL --model-path DIR`` does the same for an OpenAI-compatible
-server. ``unillm bench compare a.json b.json`` puts results side by side.
+server; ``unillm bench MODEL --servers llama-cpp-python,xllamacpp`` starts ``unillm serve``
+and those engines' own servers on the model and runs the workload on each, levels interleaved.
+``unillm bench compare a.json b.json`` puts results side by side.
 """
 
 from __future__ import annotations
@@ -97,6 +99,22 @@ def run_cmd(
         str | None, typer.Option(help="Comma-separated backends to run side by side.")
     ] = None,
     url: Annotated[str | None, typer.Option(help="An OpenAI-compatible server to benchmark instead.")] = None,
+    servers: Annotated[
+        str | None,
+        typer.Option(
+            help="Compare `unillm serve` on MODEL with engines' own servers, started here on loopback: "
+            "comma-separated llama-cpp-python, xllamacpp, mlx-lm, vllm."
+        ),
+    ] = None,
+    peer_python: Annotated[
+        str | None,
+        typer.Option(
+            help="--servers: a Python for the peers this one cannot run (xllamacpp's own environment)."
+        ),
+    ] = None,
+    parallel: Annotated[
+        int, typer.Option(min=1, help="--servers: sequences decoded together where a server batches.")
+    ] = 8,
     workload: Annotated[
         Path | None, typer.Option(help="A workload file (TOML, or Python defining WORKLOAD).")
     ] = None,
@@ -147,7 +165,9 @@ def run_cmd(
     from unillm.bench._workload import BenchWorkload, load_workload
 
     if (model is None) == (url is None):
-        raise _bad("give a MODEL (with --backends) or --url, one of them")
+        raise _bad("give a MODEL (with --backends or --servers) or --url, one of them")
+    if servers is not None and (backends is not None or url is not None):
+        raise _bad("--servers compares servers on MODEL: not with --backends or --url")
     with _reported():
         base = load_workload(workload).as_dict() if workload else {}
         overrides: dict[str, Any] = {
@@ -174,7 +194,16 @@ def run_cmd(
         if bar is not None:
             bar.start()
         try:
-            if url is not None:
+            if servers is not None:
+                from unillm.bench._servers import bench_servers
+
+                assert model is not None
+                peers = [s.strip() for s in servers.split(",") if s.strip()]
+                results = bench_servers(
+                    model, peers, wl, context_length=context, parallel=parallel, peer_python=peer_python,
+                    price_per_hour=price_per_hour, progress=update,
+                )  # fmt: skip
+            elif url is not None:
                 results = [
                     bench_url(
                         url, wl, model=served_model, model_path=model_path, tokenizer=tokenizer,
@@ -206,6 +235,11 @@ def run_cmd(
             note = " (partial: interrupted)" if result["partial"] else ""
             _console(stderr=True).print(f"wrote {path}{note}", highlight=False)
         print(table(results))
+        if servers is not None:
+            from unillm.bench._servers import ratios
+
+            for line in ratios(results):
+                print(line)
         for result in results:
             if not result["output_lengths"]["enforced"]:
                 how = result["output_lengths"]["how"]
