@@ -278,6 +278,9 @@ def test_a_revision_names_a_branch_tag_or_commit(hub: HubServer, cache: Path) ->
     assert resolve(f"unillm/tiny-gguf@{v1}").local == path
     with pytest.raises(RevisionNotFound, match="has no revision 'nope'"):
         resolve("unillm/tiny-gguf@nope")
+    assert resolve("unillm/tiny-gguf@v1:F32").files == ["tiny-small-f32.gguf"]
+    with pytest.raises(QuantNotFound, match="Its quantizations: F32"):
+        resolve("unillm/tiny-gguf@v1:Q8_0")  # on main, not at v1
 
 
 def test_offline_the_cache_serves_with_no_network_call(
