@@ -17,7 +17,7 @@ imported only when a name is used.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,19 +123,18 @@ def resolve(
     hf_format = "config.json" in lst.files and any(p.endswith(".safetensors") for p in lst.files)
     if ggufs and (parsed.tag or not hf_format):
         return _resolve_gguf(parsed, lst, ggufs, env, hardware, workload)
-    if hf_format or not ggufs:
-        files = hf_files(sorted(lst.files))
-        if parsed.tag:
-            pick_gguf(parsed.repo, ggufs, parsed.tag)  # raises QuantNotFound, listing none
-        weights = [f for f in files if f.endswith(".safetensors")]
-        resolved = Resolved(parsed, lst, "hf", files, "", ModelInfo(str(parsed), "unknown"), None, env)
-        local = resolved.local
-        if local is not None:
-            resolved.info = inspect_model(local)
-        elif "config.json" in lst.files:
-            resolved.info = remote_hf_info(lst, env, weights)
-        return resolved
-    raise AssertionError("unreachable")
+    if parsed.tag:  # no GGUF file here to bear it
+        if lst.cached_only:
+            raise NotCached(str(parsed), str(env.cache_dir))
+        raise QuantNotFound(parsed.repo, parsed.tag, [])
+    files = hf_files(sorted(lst.files))
+    resolved = Resolved(parsed, lst, "hf", files, "", ModelInfo(str(parsed), "unknown"), None, env)
+    local = resolved.local
+    if local is not None:
+        resolved.info = inspect_model(local)
+    elif "config.json" in lst.files:
+        resolved.info = remote_hf_info(lst, env, [f for f in files if f.endswith(".safetensors")])
+    return resolved
 
 
 def _resolve_gguf(
@@ -168,4 +167,4 @@ def _info(name: ModelName, lst: Listing, gguf: GgufFile, env: HubEnv) -> ModelIn
     snapshot = env.cache_dir / ("models--" + name.repo.replace("/", "--")) / "snapshots" / lst.commit
     if all((snapshot / p).is_file() for p in gguf.parts):
         return inspect_model(snapshot / gguf.path)
-    return replace(remote_gguf_info(lst, gguf, env))
+    return remote_gguf_info(lst, gguf, env)
