@@ -257,15 +257,18 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 llama_cpp, llm.context_params, n_ctx=n_ctx * parallel, n_seq=min(2 * parallel, 256),
                 n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
             )  # fmt: skip
-            try:
-                self._batcher = Batcher(
-                    llama_cpp, llm._model, params, parallel=parallel, n_batch=opts.n_batch,
-                    keep_tokens=n_ctx if opts.prefix_cache_tokens is None else opts.prefix_cache_tokens,
-                    n_vocab=llm.n_vocab(), decode_error=eval_error,
-                )  # fmt: skip
-            except (ValueError, RuntimeError, OSError) as exc:
-                llm.close()
-                raise load_error(exc, "", header, self.config.model) from exc
+            # the context holds parallel x n_ctx cells: llama.cpp warns that this passes the trained
+            # context, but each sequence is held to n_ctx (checked against the trained one above)
+            with LlamaLog(llama_cpp, handled=("llama_context: n_ctx_seq",)) as log:
+                try:
+                    self._batcher = Batcher(
+                        llama_cpp, llm._model, params, parallel=parallel, n_batch=opts.n_batch,
+                        keep_tokens=n_ctx if opts.prefix_cache_tokens is None else opts.prefix_cache_tokens,
+                        n_vocab=llm.n_vocab(), decode_error=eval_error,
+                    )  # fmt: skip
+                except (ValueError, RuntimeError, OSError) as exc:
+                    llm.close()
+                    raise load_error(exc, log.text(), header, self.config.model) from exc
 
         self.vocab_size = self._n_vocab
         self.eos_token_ids = eos_from_gguf_metadata(

@@ -204,27 +204,31 @@ def no_chat_handlers(llama_cpp: Any) -> Iterator[None]:
 
 
 class LlamaLog:
-    """Collect llama.cpp's log lines while loading, so load errors can say what llama.cpp said."""
+    """Collect llama.cpp's log lines while loading, so load errors can say what llama.cpp said;
+    lines starting with one of ``handled`` (what unillm itself takes care of) are kept from stderr."""
 
     _lock = threading.Lock()
 
-    def __init__(self, llama_cpp: Any) -> None:
+    def __init__(self, llama_cpp: Any, *, handled: tuple[str, ...] = ()) -> None:
         self._lc = llama_cpp
         self._lines: list[str] = []
+        self._handled = handled
 
     def __enter__(self) -> LlamaLog:
         import ctypes
 
         self._lock.acquire()
-        lines = self._lines
+        lines, handled = self._lines, self._handled
         from llama_cpp import _logger
 
         self._forward = _logger.llama_log_callback
 
         @self._lc.llama_log_callback
         def collect(level: int, text: bytes, user_data: Any) -> None:
-            lines.append(text.decode("utf-8", "replace"))
-            self._forward(level, text, user_data)
+            line = text.decode("utf-8", "replace")
+            lines.append(line)
+            if not (handled and line.lstrip().startswith(handled)):
+                self._forward(level, text, user_data)
 
         self._callback = collect  # keep the C callback alive while installed
         self._lc.llama_log_set(collect, ctypes.c_void_p(0))
