@@ -562,3 +562,4 @@ def test_serve_takes_a_name(hub: HubServer, cache: Path) -> None:
     finally:
         server.stop()
     assert list(cache.rglob("tiny-small-Q8_0.gguf"))
+    assert any("tiny-small-Q8_0.gguf" in line and "(100%)" in line for line in server.lines)  # progress

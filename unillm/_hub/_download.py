@@ -21,6 +21,7 @@ from pathlib import Path
 
 from unillm._errors import DiskFull, DownloadError, NotCached
 from unillm._hub._client import COMMIT, HubEnv, Listing, _hf, mapped_errors, repo_dir
+from unillm._hub._fit import human
 
 __all__ = ["PARTIAL", "Progress", "fetch", "log_progress"]
 
@@ -201,7 +202,7 @@ def log_progress(path: str, done: int, total: int, _last: dict[str, int] = {}) -
     tenth = 10 * done // total if total else 10
     if done == 0 or _last.get(path, -1) < tenth:
         _last[path] = tenth
-        _log.info("%s: %d of %d MB (%d%%)", path, done >> 20, max(total >> 20, 1), 10 * tenth)
+        _log.info("%s: %s of %s (%d%%)", path, human(done), human(total), 10 * tenth)
     if done >= total:
         _last.pop(path, None)
 

@@ -71,7 +71,6 @@ def _open_engine(
             context_length=context,
             options=opts or None,
         )
-        _download(cfg)
         with _loading(cfg):
             return load_engine(cfg)
 
@@ -95,7 +94,9 @@ def _download(cfg: EngineConfig) -> None:
 @contextlib.contextmanager
 def _loading(cfg: EngineConfig) -> Iterator[None]:
     """A spinner on stderr while the engine starts (vLLM takes 30-60 s), only on a terminal: a
-    log file or a pipe gets nothing."""
+    log file or a pipe gets nothing. A model name's files are downloaded first, with their own
+    progress (``unillm generate``, ``chat`` and ``serve`` all start engines here)."""
+    _download(cfg)
     isatty = getattr(sys.stderr, "isatty", None)
     if not (isatty and isatty()):
         yield
