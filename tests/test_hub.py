@@ -563,3 +563,17 @@ def test_serve_takes_a_name(hub: HubServer, cache: Path) -> None:
         server.stop()
     assert list(cache.rglob("tiny-small-Q8_0.gguf"))
     assert any("tiny-small-Q8_0.gguf" in line and "(100%)" in line for line in server.lines)  # progress
+
+
+def test_an_unreachable_hub_and_an_empty_cache_say_not_cached(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unillm._hub import resolve
+
+    own = HubServer().start()
+    url = own.url
+    own.stop()  # nothing listens there now
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    with pytest.raises(NotCached, match="cannot be reached") as info:
+        resolve("unillm/tiny-gguf:Q8_0")
+    assert "unillm pull unillm/tiny-gguf:Q8_0" in str(info.value)

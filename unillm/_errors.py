@@ -15,7 +15,7 @@
     │   │   ├── RepoNotFound         no such repo on the hub (or a private one, without a token for it)
     │   │   ├── RevisionNotFound     the repo has no such branch, tag or commit
     │   │   ├── QuantNotFound        the repo has no GGUF of that quantization (.tags: those it has)
-    │   │   └── NotCached            offline (HF_HUB_OFFLINE=1) and the name is not in the local cache
+    │   │   └── NotCached            offline (or the hub unreachable) and the name is not in the cache
     │   └── GatedModel               the repo is gated: accept its terms on the hub, then set HF_TOKEN
     ├── OutOfMemory (MemoryError)    weights or KV cache do not fit
     ├── ContextLengthExceeded (ValueError)  the prompt is longer than the loaded context
@@ -219,14 +219,16 @@ class QuantNotFound(ModelNotFound):
 
 
 class NotCached(ModelNotFound):
-    """Offline (``HF_HUB_OFFLINE=1``) and the name is not in the local Hugging Face cache."""
+    """Offline (``HF_HUB_OFFLINE=1``), or the hub cannot be reached, and the name is not in the
+    local Hugging Face cache."""
 
-    def __init__(self, name: str, cache_dir: str) -> None:
+    def __init__(self, name: str, cache_dir: str, why: str = "HF_HUB_OFFLINE is set") -> None:
         self.path, self.cache_dir = name, cache_dir
         ModelLoadError.__init__(
             self,
-            f"{name!r} is not in the Hugging Face cache ({cache_dir}) and HF_HUB_OFFLINE is set, so "
-            f"nothing is downloaded. When online, run `unillm pull {name}` (or unset HF_HUB_OFFLINE).",
+            f"{name!r} is not in the Hugging Face cache ({cache_dir}) and {why}, so nothing is "
+            f"downloaded. When online, run `unillm pull {name}`"
+            + (" (with HF_HUB_OFFLINE unset)." if "OFFLINE" in why else "."),
         )
 
 

@@ -154,10 +154,8 @@ def listing(name: ModelName, env: HubEnv) -> Listing:
                 raise
             cached = cached_listing(name, env)
             if cached is None:
-                raise DownloadError(
-                    f"cannot reach the hub at {env.endpoint} ({_first_line(exc)}) and {str(name)!r} "
-                    f"is not in the cache ({env.cache_dir}): check the network, or HF_ENDPOINT"
-                ) from exc
+                why = f"the hub at {env.endpoint} cannot be reached ({_first_line(exc)}: check the network)"
+                raise NotCached(str(name), str(env.cache_dir), why) from exc
             return cached
         files = {}
         for s in info.siblings or []:
