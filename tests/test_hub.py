@@ -463,6 +463,18 @@ def test_pull_models_rm(hub: HubServer, cache: Path) -> None:
     assert "unillm/tiny-gguf" in table and "Q4_0" in table and table.startswith("id")
     out = runner.invoke(app, ["inspect", "unillm/tiny-gguf:F16"])  # headers only
     assert out.exit_code == 0 and "F16" in out.stdout and not list(cache.rglob("*f16.gguf"))
+    import huggingface_hub as hf  # its own tools see what unillm fetched: the same layout
+
+    assert hf.hf_hub_download(
+        "unillm/tiny-gguf", "tiny-small-Q4_0.gguf", cache_dir=cache, local_files_only=True
+    ) == str(path)
+    assert {r.repo_id for r in hf.scan_cache_dir(cache).repos} == {"unillm/tiny-gguf", "unillm/tiny"}
+    out = runner.invoke(app, ["pull", "unillm/tiny-gguf@v1"])
+    assert out.exit_code == 0, out.output
+    assert runner.invoke(app, ["rm", "unillm/tiny-gguf@v1"]).exit_code == 0  # that revision only
+    assert path.is_file() and not any(
+        hub.repos["unillm/tiny-gguf"].refs["v1"] in str(p) for p in cache.rglob("*.gguf")
+    )
     out = runner.invoke(app, ["rm", "unillm/tiny-gguf"])
     assert out.exit_code == 0, out.output
     assert [m["id"] for m in json.loads(runner.invoke(app, ["models", "--json"]).stdout)] == ["unillm/tiny"]

@@ -124,6 +124,9 @@ def remove(name: ModelName, env: HubEnv | None = None) -> list[str]:
                 removed.append(str(target))
         if not any(p.is_file() for p in snapshot.rglob("*")):
             shutil.rmtree(snapshot)
+            for ref in (folder / "refs").rglob("*") if (folder / "refs").is_dir() else ():
+                if ref.is_file() and ref.read_text(encoding="utf-8").strip() == snapshot.name:
+                    ref.unlink()  # a branch or tag naming what is gone
     if not removed:
         raise ModelNotFound(str(name))
     for partial in (folder / "blobs").glob("*.unillm-partial") if name.tag is None else ():
