@@ -475,6 +475,7 @@ def test_pull_models_rm(hub: HubServer, cache: Path) -> None:
     assert path.is_file() and not any(
         hub.repos["unillm/tiny-gguf"].refs["v1"] in str(p) for p in cache.rglob("*.gguf")
     )
+    assert not (cache / "models--unillm--tiny-gguf" / "refs" / "v1").exists()
     out = runner.invoke(app, ["rm", "unillm/tiny-gguf"])
     assert out.exit_code == 0, out.output
     assert [m["id"] for m in json.loads(runner.invoke(app, ["models", "--json"]).stdout)] == ["unillm/tiny"]
