@@ -590,3 +590,15 @@ def test_an_unreachable_hub_and_an_empty_cache_say_not_cached(
     with pytest.raises(NotCached, match="cannot be reached") as info:
         resolve("unillm/tiny-gguf:Q8_0")
     assert "unillm pull unillm/tiny-gguf:Q8_0" in str(info.value)
+
+
+def test_a_path_the_hub_lists_outside_the_snapshot_is_refused(hub: HubServer, cache: Path) -> None:
+    from unillm._hub import resolve
+
+    evil = HubServer()
+    evil.add("evil/repo", {"../../escape.gguf": b"GGUF", "ok.gguf": b"GGUF"})
+    with evil, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_ENDPOINT", evil.url)
+        with pytest.raises(DownloadError, match="will not write"):
+            resolve("evil/repo")
+    assert not list(cache.parent.rglob("escape.gguf"))

@@ -228,7 +228,8 @@ class NotCached(ModelNotFound):
             self,
             f"{name!r} is not in the Hugging Face cache ({cache_dir}) and {why}, so nothing is "
             f"downloaded. When online, run `unillm pull {name}`"
-            + (" (with HF_HUB_OFFLINE unset)." if "OFFLINE" in why else "."),
+            + (" (with HF_HUB_OFFLINE unset)" if "OFFLINE" in why else "")
+            + "; if you meant a local path, nothing is there.",
         )
 
 

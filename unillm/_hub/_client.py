@@ -160,12 +160,36 @@ def listing(name: ModelName, env: HubEnv) -> Listing:
         files = {}
         for s in info.siblings or []:
             lfs = getattr(s, "lfs", None)
-            files[s.rfilename] = RemoteFile(int(s.size or 0), getattr(lfs, "sha256", None) if lfs else None)
-        return Listing(name, str(info.sha), files)
+            files[_safe(s.rfilename, env)] = RemoteFile(
+                int(s.size or 0), getattr(lfs, "sha256", None) if lfs else None
+            )
+        commit = str(info.sha)
+        if not COMMIT.fullmatch(commit):
+            raise DownloadError(
+                f"the hub at {env.endpoint} named {name.repo}'s commit {commit[:80]!r}: not a commit id"
+            )
+        return Listing(name, commit, files)
     cached = cached_listing(name, env)
     if cached is None:
         raise NotCached(str(name), str(env.cache_dir))
     return cached
+
+
+def _safe(path: str, env: HubEnv) -> str:
+    """A repo path as the hub listed it, refused when it would land outside the snapshot folder
+    (the listing is the endpoint's word, and ``HF_ENDPOINT`` may name any server)."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or any(p in ("", ".", "..") for p in parts)
+        or "\0" in path
+    ):
+        raise DownloadError(
+            f"the hub at {env.endpoint} listed a file path unillm will not write: {path[:200]!r}"
+        )
+    return path
 
 
 def cached_listing(name: ModelName, env: HubEnv) -> Listing | None:
