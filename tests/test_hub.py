@@ -602,3 +602,19 @@ def test_a_path_the_hub_lists_outside_the_snapshot_is_refused(hub: HubServer, ca
         with pytest.raises(DownloadError, match="will not write"):
             resolve("evil/repo")
     assert not list(cache.parent.rglob("escape.gguf"))
+
+
+def test_a_repo_of_two_formats_gives_the_one_an_installed_backend_reads(hub: HubServer, cache: Path) -> None:
+    from unillm._hub import resolve
+
+    repo = hub.repos["unillm/tiny"]
+    files = {p: f.data for p, f in repo.commits[repo.refs["main"]].items()}
+    hub.add(
+        "unillm/both",
+        {**files, "tiny-small-Q8_0.gguf": _data(hub, "unillm/tiny-gguf", "tiny-small-Q8_0.gguf")},
+    )
+    assert resolve("unillm/both").format == "hf"  # installed backends unknown: the HF format
+    assert resolve("unillm/both", reads={"safetensors", "gguf"}).format == "hf"
+    gguf = resolve("unillm/both", reads={"gguf"})  # only a GGUF reader here
+    assert gguf.format == "gguf" and gguf.files == ["tiny-small-Q8_0.gguf"]
+    assert resolve("unillm/both:q8_0").format == "gguf"  # a tag names a GGUF

@@ -11,7 +11,7 @@ taken, and every step. Nothing here names an engine: what is specific to one liv
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -133,16 +133,19 @@ def model_info(cfg: EngineConfig, registry: Registry | None = None, hardware: Ha
     return (registry or default_registry()).inspect_model(cfg.model)
 
 
-def resolve_name(cfg: EngineConfig, hardware: Hardware | None) -> tuple[EngineConfig, Resolved | None]:
+def resolve_name(
+    cfg: EngineConfig, hardware: Hardware | None, reads: Collection[str] | None = None
+) -> tuple[EngineConfig, Resolved | None]:
     """The one place a model name is resolved (``unillm._hub.resolve``): ``cfg`` as it was for a
     path; for a name, ``cfg`` with the local path when the files are cached, and the resolution
-    (its files, its header-read info, the quantization chosen for ``cfg``'s workload)."""
+    (its files, its header-read info, the quantization chosen for ``cfg``'s workload; of a repo
+    holding two formats, the one the installed backends ``reads``)."""
     name = parse_model_name(cfg.model)
     if name is None:
         return cfg, None
     from unillm._hub import resolve
 
-    resolved = resolve(name, hardware=hardware, workload=lambda info: workload_for(cfg, info))
+    resolved = resolve(name, hardware=hardware, workload=lambda info: workload_for(cfg, info), reads=reads)
     local = resolved.local
     return (cfg.model_copy(update={"model": str(local)}) if local else cfg), resolved
 
@@ -165,8 +168,17 @@ def choose(
     if hardware is None:
         hardware = _machine()
     given, note = cfg, None
+    if cfg.backend:
+        reads: set[str] = set(registry.get(cfg.backend).formats)
+    else:
+        reads = {
+            f
+            for n, b in backends.items()
+            if (a := available.get(n)) is not None and a.available
+            for f in b.cls.formats
+        }
     try:
-        cfg, source = resolve_name(cfg, hardware)
+        cfg, source = resolve_name(cfg, hardware, reads)
     except (ModelNotFound, DownloadError) as exc:
         if not cfg.backend:
             raise

@@ -16,7 +16,7 @@ imported only when a name is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,11 +106,15 @@ def resolve(
     *,
     hardware: Hardware | None = None,
     workload: Callable[[ModelInfo], Workload] | None = None,
+    reads: Collection[str] | None = None,
 ) -> Resolved:
     """Resolve ``name`` to its files and what they are, reading headers only.
 
     ``hardware`` and ``workload`` (the workload asked of a model, given its info) drive the choice
-    of quantization when a repo holds several GGUF files and no tag names one. Raises
+    of quantization when a repo holds several GGUF files and no tag names one. ``reads`` are the
+    formats the installed backends read: a repo holding both an HF-format model and GGUF files
+    gives, with no tag, the one of them an installed backend reads (the HF format when both or
+    neither are, or ``reads`` is not known). Raises
     ``RepoNotFound``, ``RevisionNotFound``, ``QuantNotFound``, ``GatedModel``, ``NotCached``
     (offline, not cached) or ``DownloadError``.
     """
@@ -127,6 +131,13 @@ def resolve(
         if lst.cached_only:
             raise NotCached(str(parsed), str(env.cache_dir))
         raise QuantNotFound(parsed.repo, parsed.tag, [])
+    hf = _resolve_hf(parsed, lst, env)
+    if ggufs and reads is not None and hf.info.format not in reads and "gguf" in reads:
+        return _resolve_gguf(parsed, lst, ggufs, env, hardware, workload)  # what runs here
+    return hf
+
+
+def _resolve_hf(parsed: ModelName, lst: Listing, env: HubEnv) -> Resolved:
     files = hf_files(sorted(lst.files))
     resolved = Resolved(parsed, lst, "hf", files, "", ModelInfo(str(parsed), "unknown"), None, env)
     local = resolved.local
