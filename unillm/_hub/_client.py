@@ -100,6 +100,12 @@ def _hf() -> Any:
         raise DownloadError(
             "models by name need huggingface_hub: pip install 'unillm[hub]' (or pass a local path)"
         ) from None
+    major = huggingface_hub.__version__.split(".")[0]
+    if not major.isdigit() or int(major) < 2:
+        raise DownloadError(
+            f"models by name need huggingface_hub 2.4 or later, not {huggingface_hub.__version__}: "
+            "pip install -U 'unillm[hub]'"
+        )
     constants.HF_HUB_OFFLINE = _truthy(os.environ.get("HF_HUB_OFFLINE"))
     return huggingface_hub
 
