@@ -618,3 +618,26 @@ def test_a_repo_of_two_formats_gives_the_one_an_installed_backend_reads(hub: Hub
     gguf = resolve("unillm/both", reads={"gguf"})  # only a GGUF reader here
     assert gguf.format == "gguf" and gguf.files == ["tiny-small-Q8_0.gguf"]
     assert resolve("unillm/both:q8_0").format == "gguf"  # a tag names a GGUF
+
+
+def test_the_fit_choice_through_the_hub_for_three_memory_sizes(hub: HubServer, cache: Path) -> None:
+    from unillm import Hardware
+    from unillm._choose._auto import choose
+
+    def machine(ram: float) -> Hardware:
+        return Hardware(
+            os="Linux", arch="x86_64", cpu_cores=4, ram_total_bytes=int(ram), ram_available_bytes=int(ram)
+        )
+
+    cfg = EngineConfig(model="unillm/tiny-gguf", context_length=4096, concurrency=4)
+    roomy = choose(cfg, hardware=machine(1 << 40)).source
+    assert roomy is not None and roomy.choice is not None and roomy.files == ["tiny-small-f32.gguf"]
+    need = {o.file.quant: o.total_bytes for o in roomy.choice.options}  # the planner's totals, margin aside
+    budget = 0.95  # the planner keeps 5% of a device in reserve
+    for quant, between in [("F16", ("F16", "F32")), ("Q8_0", ("Q8_0", "F16")), ("Q4_0", ("Q4_0", "Q8_0"))]:
+        low, high = (need[q] for q in between)
+        assert low is not None and high is not None and low < high
+        source = choose(cfg, hardware=machine((low + high) / 2 / budget)).source
+        assert source is not None and source.choice is not None
+        assert source.choice.chosen.quant == quant, "\n".join(source.lines())
+    assert not list(cache.rglob("*.gguf"))  # chosen from headers: nothing downloaded
