@@ -641,3 +641,19 @@ def test_the_fit_choice_through_the_hub_for_three_memory_sizes(hub: HubServer, c
         assert source is not None and source.choice is not None
         assert source.choice.chosen.quant == quant, "\n".join(source.lines())
     assert not list(cache.rglob("*.gguf"))  # chosen from headers: nothing downloaded
+
+
+def test_a_hub_gone_between_the_listing_and_the_download(
+    hub: HubServer, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unillm._hub import resolve
+
+    own = HubServer({"unillm/tiny-gguf": hub.repos["unillm/tiny-gguf"]}).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", own.url)
+        r = resolve("unillm/tiny-gguf:Q4_0")
+    finally:
+        own.stop()
+    with pytest.raises(DownloadError, match="cannot reach the hub"):
+        r.fetch()
+    assert r.local is None

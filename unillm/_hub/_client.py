@@ -23,7 +23,6 @@ from unillm._errors import (
     NotCached,
     RepoNotFound,
     RevisionNotFound,
-    UnillmError,
 )
 from unillm._names import ModelName
 
@@ -130,6 +129,20 @@ def mapped_errors(name: ModelName, env: HubEnv) -> Iterator[None]:
         raise NotCached(str(name), str(env.cache_dir)) from exc
     except errors.HfHubHTTPError as exc:
         raise DownloadError(f"the hub at {env.endpoint} refused {str(name)!r}: {_first_line(exc)}") from exc
+    except Exception as exc:
+        if not _unreachable(exc):
+            raise
+        raise DownloadError(
+            f"cannot reach the hub at {env.endpoint} ({_first_line(exc)}): check the network, or HF_ENDPOINT"
+        ) from exc
+
+
+def _timeout() -> float:
+    """Seconds to wait for the hub's API (``HF_HUB_ETAG_TIMEOUT``, as ``huggingface_hub``'s HEADs)."""
+    try:
+        return float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or 10)
+    except ValueError:
+        return 10.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -152,16 +165,17 @@ def listing(name: ModelName, env: HubEnv) -> Listing:
         api = hf.HfApi(endpoint=env.endpoint, token=env.token or None)
         try:
             with mapped_errors(name, env):
-                info = api.model_info(name.repo, revision=name.revision, files_metadata=True)
-        except UnillmError:
-            raise
-        except Exception as exc:  # the hub cannot be reached: what the cache holds will do
-            if not _unreachable(exc):
+                info = api.model_info(
+                    name.repo, revision=name.revision, files_metadata=True, timeout=_timeout()
+                )
+        except DownloadError as exc:  # the hub cannot be reached: what the cache holds will do
+            cause = exc.__cause__
+            if cause is None or not _unreachable(cause):
                 raise
             cached = cached_listing(name, env)
             if cached is None:
-                why = f"the hub at {env.endpoint} cannot be reached ({_first_line(exc)}: check the network)"
-                raise NotCached(str(name), str(env.cache_dir), why) from exc
+                why = f"the hub at {env.endpoint} cannot be reached ({_first_line(cause)}: check the network)"
+                raise NotCached(str(name), str(env.cache_dir), why) from cause
             return cached
         files = {}
         for s in info.siblings or []:
