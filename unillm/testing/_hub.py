@@ -157,7 +157,7 @@ class HubServer:
                 server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
                 server.daemon_threads = True
                 self._servers.append(server)
-                thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+                thread = threading.Thread(target=server.serve_forever, args=(0.05,), name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
         except BaseException:
