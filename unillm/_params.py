@@ -191,7 +191,10 @@ class EngineConfig(Validated):
     every engine and ``UNILLM_BACKEND`` can swap between them without editing the file.
     """
 
-    model: str = Field(description="Path of a .gguf file or a model directory.")
+    model: str = Field(
+        description="Path of a .gguf file or a model directory, or a Hugging Face name "
+        "(org/name[@revision][:QUANT], docs/models.md)."
+    )
     backend: str | None = Field(default=None, description="Backend name; None lets auto_engine choose.")
     context_length: int | None = Field(
         default=None, ge=16, le=1 << 30, description="Context window to allocate."
