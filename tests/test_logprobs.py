@@ -236,7 +236,11 @@ def test_completions_return_the_legacy_object(client: openai.OpenAI, engines: di
         assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
     assert [o for p in parts for o in (p.text_offset or [])] == whole.text_offset
     zero = client.completions.create(**{**kw, "logprobs": 0}).choices[0].logprobs
-    assert zero is not None and zero.top_logprobs is None and len(zero.token_logprobs or []) == 8
+    assert zero is not None and len(zero.token_logprobs or []) == 8
+    # no alternatives, but OpenAI's shape: a dict per token, the chosen token's own (as vLLM's)
+    assert zero.top_logprobs == [
+        {t: lp} for t, lp in zip(zero.tokens or [], zero.token_logprobs or [], strict=True)
+    ]
 
 
 def test_chat_returns_top_logprobs_per_token(client: openai.OpenAI) -> None:

@@ -413,6 +413,71 @@ def test_unknown_routes_and_bad_bodies_get_json_errors(server: Server, tiny: Tin
 
 
 @needs_llama_cpp
+def test_what_the_specs_allow_is_accepted_and_answered_in_their_shapes(server: Server, engine: Any) -> None:
+    """Values OpenAI's and Anthropic's documents allow, sent as careless clients send them: null for
+    an optional field is its default; top_p 0 is the likeliest token (greedy); an empty stop string
+    stops nothing; completions' logprobs false asks for none. Answers carry the documented fields
+    (message.refusal, logprobs.refusal, a top_logprobs dict per token at logprobs 0), refusals a
+    code and the param, and /v1/messages/count_tokens counts the prompt a Messages call would take."""
+    v1 = server.v1
+    nulls = {"stream": None, "n": None, "logprobs": None, "stop": None, "stream_options": None, "seed": None}
+    chat = {"model": ALIAS, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, **nulls}
+    r = httpx.post(v1 + "/chat/completions", json={**chat, "top_logprobs": None}, timeout=60)
+    assert r.status_code == 200, r.text
+    greedy = r.json()["choices"][0]
+    assert greedy["message"]["refusal"] is None and greedy["logprobs"] is None
+    top_p0 = {**chat, "temperature": 1.0, "top_p": 0, "stop": "", "seed": 7}
+    r = httpx.post(v1 + "/chat/completions", json={**top_p0, "logprobs": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == greedy["message"]["content"]  # top_p 0: greedy
+    assert choice["logprobs"]["refusal"] is None and len(choice["logprobs"]["content"]) == 6
+    streamed = {
+        **chat,
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    r = httpx.post(v1 + "/chat/completions", json=streamed, timeout=60)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+    comp = {
+        "model": ALIAS,
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "echo": None,
+        "best_of": None,
+    }
+    off = httpx.post(v1 + "/completions", json={**comp, "logprobs": False}, timeout=60).json()
+    assert off["choices"][0]["logprobs"] is None  # false is off, not 0
+    zero = httpx.post(v1 + "/completions", json={**comp, "logprobs": 0}, timeout=60).json()["choices"][0]
+    tops = zero["logprobs"]["top_logprobs"]
+    assert len(tops) == 4 and all(len(d) == 1 for d in tops)  # the chosen token's own, no alternatives
+    assert [next(iter(d)) for d in tops] == zero["logprobs"]["tokens"]
+
+    for body, param, code in (
+        ({**comp, "logprobs": True}, "logprobs", "invalid_value"),
+        ({**comp, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        ({"model": ALIAS, "max_tokens": 4}, "prompt", "missing_required_parameter"),
+        ({**comp, "suffix": "x"}, "suffix", "unsupported_parameter"),
+        ({**comp, "n": 2}, "n", "unsupported_value"),
+        ({**comp, "temperature": 9}, "temperature", "invalid_value"),
+    ):
+        r = httpx.post(v1 + "/completions", json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, code), error
+
+    ask = {"model": ALIAS, "messages": MESSAGES, "system": "Be brief."}
+    counted = httpx.post(server.url + "/v1/messages/count_tokens", json=ask, timeout=60)
+    assert counted.status_code == 200, counted.text
+    ant = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    msg = ant.messages.create(**ask, max_tokens=2, extra_body=GREEDY)  # type: ignore[arg-type]
+    assert counted.json() == {"input_tokens": msg.usage.input_tokens}
+    assert ant.messages.count_tokens(**ask).input_tokens == msg.usage.input_tokens  # type: ignore[arg-type]
+
+
+@needs_llama_cpp
 def test_an_api_key_guards_every_route_but_the_probes(guarded: Server) -> None:
     call = {"model": ALIAS, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     for key in ("sk-wrong", KEY + "x", KEY[:-1]):
@@ -436,6 +501,7 @@ def test_an_api_key_guards_every_route_but_the_probes(guarded: Server) -> None:
     with pytest.raises(anthropic.AuthenticationError) as refused:
         ant.messages.create(model=ALIAS, messages=MESSAGES, max_tokens=2)
     assert refused.value.response.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in refused.value.response.json()["error"]["message"]  # what its clients send
     _clean(refused.value.response.text)
 
 

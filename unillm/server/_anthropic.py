@@ -10,12 +10,13 @@ then sent as its blocks (``_anthropic_tools``).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from unillm._chat._tools import ToolCallParseError, json_text, parse_tool_calls
 from unillm._contract._engine import forced_params
@@ -27,7 +28,7 @@ from unillm.server._generate import sampling, stream
 from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
 
 # FastAPI reads the body models from the annotations at runtime
-from unillm.server._schemas import MessagesRequest
+from unillm.server._schemas import CountTokensRequest, MessagesRequest
 
 if TYPE_CHECKING:
     from unillm._types import Chunk
@@ -48,16 +49,40 @@ def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | Non
     return "end_turn", None
 
 
-@router.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request) -> Any:
-    state, record = request.app.state.unillm, record_of(request)
+def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The request's system prompt and turns, as chat messages."""
     if body.thinking:
-        raise ApiError(400, "extended thinking is not served by this server; leave it out", param="thinking")
-    tools, one_call = read_anthropic_tools(body)
+        raise ApiError(
+            400, "extended thinking is not served by this server; leave it out", param="thinking",
+            code="unsupported_parameter",
+        )  # fmt: skip
     msgs = []
     if body.system is not None:
         msgs.append({"role": "system", "content": text_of(body.system, "system")})
     msgs.extend(turns(body.messages))
+    return msgs
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
+    """The prompt tokens a Messages request with these messages, system prompt and tools would take."""
+    state, record = request.app.state.unillm, record_of(request)
+    msgs = _turns(body)
+    tools, _ = read_anthropic_tools(body)
+    _, engine = await engine_for(state, body.model, record)
+    prompt = await render(engine, msgs, tools)
+    try:
+        ids = await asyncio.to_thread(engine.tokenize, prompt)
+    except NotImplementedError as exc:  # a plugin engine without a tokenizer
+        raise ApiError(400, f"{engine.name} cannot count tokens: {exc}", code="unsupported") from exc
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    state, record = request.app.state.unillm, record_of(request)
+    msgs = _turns(body)
+    tools, one_call = read_anthropic_tools(body)
     slot, engine = await engine_for(state, body.model, record)
     prompt = await render(engine, msgs, tools)
     stops = tuple(body.stop_sequences or ())

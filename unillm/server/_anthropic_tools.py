@@ -18,12 +18,12 @@ from unillm.server._request import text_of
 
 if TYPE_CHECKING:
     from unillm._types import ToolCall
-    from unillm.server._schemas import AnthropicMessage, MessagesRequest
+    from unillm.server._schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 
 __all__ = ["read_anthropic_tools", "tool_use_blocks", "turns"]
 
 
-def read_anthropic_tools(body: MessagesRequest) -> tuple[ToolSpec | None, bool]:
+def read_anthropic_tools(body: MessagesRequest | CountTokensRequest) -> tuple[ToolSpec | None, bool]:
     """The request's tools read (None: plain chat) and whether one call at most is wanted; a 400
     naming the field in Anthropic's terms when they cannot be used."""
     choice = body.tool_choice or {}

@@ -197,9 +197,14 @@ class Edge:
             if auth[:7].lower() == b"bearer ":
                 given = auth[7:].strip()
             if given is None or not hmac.compare_digest(given, self.key):
+                how = (
+                    "'x-api-key: <key>'"  # what Anthropic's clients send
+                    if str(scope.get("path", "")).startswith("/v1/messages")
+                    else "'Authorization: Bearer <key>'"
+                )
                 return ApiError(
-                    401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
-                    type_="authentication_error", code="invalid_api_key",
+                    401, f"a valid API key is required: send it as {how}", type_="authentication_error",
+                    code="invalid_api_key",
                 )  # fmt: skip
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
@@ -242,8 +247,8 @@ def _too_large(limit: int) -> ApiError:
                     code="request_too_large")  # fmt: skip
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/tokenize",
-           "/detokenize", "/health", "/ready", "/metrics")  # fmt: skip
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+           "/v1/models", "/tokenize", "/detokenize", "/health", "/ready", "/metrics")  # fmt: skip
 
 
 def _route(path: str) -> str:

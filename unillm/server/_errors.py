@@ -125,7 +125,9 @@ def error_response(request: Request | None, err: ApiError) -> JSONResponse:
             "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": message},
         }
     else:
-        body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+        # a refusal without a more precise code is about the value of what was sent
+        code = err.code or ("invalid_value" if err.status == 400 else None)
+        body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": code}}
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
@@ -135,16 +137,17 @@ def _validation(exc: RequestValidationError) -> ApiError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     where = ".".join(loc) or "body"
     kind = first.get("type", "")
+    code = "invalid_value"
     if kind == "extra_forbidden":
-        msg = f"{where}: this server does not know this field; leave it out"
+        msg, code = f"{where}: this server does not know this field; leave it out", "unknown_parameter"
     elif kind == "missing":
-        msg = f"{where}: required"
+        msg, code = f"{where}: required", "missing_required_parameter"
     elif kind in ("json_invalid", "model_attributes_type") and not loc:
-        msg = "the body is not a JSON object"
+        msg, code = "the body is not a JSON object", "invalid_json"
     else:
         msg = f"{where}: {first.get('msg', 'invalid value')}"
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return ApiError(400, msg + more, param=where if loc else None)
+    return ApiError(400, msg + more, param=where if loc else None, code=code)
 
 
 def install(app: FastAPI, paths: dict[str, str]) -> None:

@@ -96,7 +96,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         done = await unless_gone(request, afold(chunks))
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": done.text},
+            "message": {"role": "assistant", "content": done.text, "refusal": None},
             "logprobs": chat_logprobs(engine, done) if want_lp else None,
             "finish_reason": _finish(done.finish_reason),
             "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
@@ -123,7 +123,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     refused = {"echo": body.echo, "best_of": (body.best_of or 1) > 1, "suffix": body.suffix is not None}
     for name, asked in refused.items():
         if asked:
-            raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
+            raise ApiError(
+                400,
+                f"{name} is not supported by this server; leave it out",
+                param=name,
+                code="unsupported_parameter",
+            )
     prompt = _one_prompt(body.prompt)
     slot, engine = await engine_for(state, body.model, record)
     params = openai_sampling(
@@ -185,7 +190,11 @@ def _tool_answer(
     wire = [openai_tool_call(c) for c in calls]
     lp = chat_logprobs(engine, done) if body.logprobs else None
     if not body.stream:
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content or (None if calls else ""),
+            "refusal": None,
+        }
         if calls:
             message["tool_calls"] = wire
         choice = {

@@ -41,7 +41,7 @@ def chat_logprobs(engine: Engine[Any], out: Chunk | Completion) -> dict[str, Any
                 alternatives.append({"token": t, "logprob": alt_lp, "bytes": list(t.encode())})
         entry = {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": alternatives}
         entries.append(entry)
-    return {"content": entries}
+    return {"content": entries, "refusal": None}
 
 
 def completion_logprobs(engine: Engine[Any], out: Chunk | Completion, at: int = 0) -> dict[str, Any]:
@@ -55,13 +55,12 @@ def completion_logprobs(engine: Engine[Any], out: Chunk | Completion, at: int = 
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    top: list[dict[str, float]] | None = None
-    if tops is not None:
-        top = []
-        for token, lp, step in zip(tokens, lps or (), tops, strict=False):
-            d: dict[str, float] = {}
-            for alt, alt_lp in step:
-                d.setdefault(text(alt), alt_lp)
-            d.setdefault(token, lp)
-            top.append(d)
+    # logprobs 0: no alternatives, each token's dict its own (OpenAI's shape has a dict per token)
+    top: list[dict[str, float]] = []
+    for i, (token, lp) in enumerate(zip(tokens, lps or (), strict=False)):
+        d: dict[str, float] = {}
+        for alt, alt_lp in tops[i] if tops is not None and i < len(tops) else ():
+            d.setdefault(text(alt), alt_lp)
+        d.setdefault(token, lp)
+        top.append(d)
     return {"tokens": tokens, "token_logprobs": list(lps or ()), "top_logprobs": top, "text_offset": offsets}

@@ -105,7 +105,12 @@ async def _disconnected(request: Request) -> None:
 def check_common(body: _Sampling) -> None:
     """Refuse what neither API route serves."""
     if body.n != 1:
-        raise ApiError(400, f"n is {body.n}: this server returns one choice per request", param="n")
+        raise ApiError(
+            400,
+            f"n is {body.n}: this server returns one choice per request",
+            param="n",
+            code="unsupported_value",
+        )
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -130,16 +135,19 @@ def openai_sampling(
             if not -100 <= value <= 100:
                 raise ApiError(400, f"logit_bias values lie in [-100, 100], got {value}", param="logit_bias")
             bias[int(key)] = value
+    # top_p 0 keeps the smallest set of tokens whose mass reaches 0: the likeliest one, greedy
+    greedy = body.top_p == 0
+    stop = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]  # "": none
     fields = {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "temperature": 0.0 if greedy else body.temperature,
+        "top_p": None if greedy else body.top_p,
         "top_k": body.top_k if body.top_k and body.top_k > 0 else None,
         "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "seed": body.seed,
-        "stop": body.stop,
+        "stop": stop or None,
         "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids else None,
         "ignore_eos": body.ignore_eos or None,
         "min_tokens": body.min_tokens or None,

@@ -11,16 +11,27 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """``null`` for an optional field means its default, as OpenAI's and Anthropic's documents
+        mark them nullable (``"stream": null``, ``"n": null``); a required field stays refused."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = True  # random padding against length side channels: none is added
 
 
 class _Sampling(_Body):
@@ -29,7 +40,7 @@ class _Sampling(_Body):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the likeliest token only
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,6 +91,17 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_is_a_count(cls, value: Any) -> Any:
+        """``false`` asks for none (clients send it); ``true`` says no count: refused, not read as 1."""
+        if value is False:
+            return None
+        if value is True:
+            raise ValueError("logprobs is a count of alternatives per token (0 to 20), not true")
+        return value
+
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
@@ -134,3 +156,14 @@ class MessagesRequest(_Body):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     service_tier: str | None = None
+
+
+class CountTokensRequest(_Body):
+    """``/v1/messages/count_tokens``: what a Messages request's prompt would be, without sampling."""
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
