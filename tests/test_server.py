@@ -478,6 +478,22 @@ def test_what_the_specs_allow_is_accepted_and_answered_in_their_shapes(server: S
 
 
 @needs_llama_cpp
+def test_a_prompt_past_the_context_is_refused_before_it_queues(server: Server) -> None:
+    """An over-long prompt is counted before it takes a place in the queue, not after its wait."""
+    before = metrics(server.url)
+    words = "word " * (2 * CONTEXT)
+    for route, body in (
+        ("/completions", {"prompt": words}),
+        ("/chat/completions", {"messages": [{"role": "user", "content": words}]}),
+    ):
+        r = httpx.post(server.v1 + route, json={"model": ALIAS, "max_tokens": 4, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    after = metrics(server.url)
+    queued = "unillm:request_queue_time_seconds_count"
+    assert metric(after, queued, **LLAMA) == metric(before, queued, **LLAMA)  # neither entered the queue
+
+
+@needs_llama_cpp
 def test_an_api_key_guards_every_route_but_the_probes(guarded: Server) -> None:
     call = {"model": ALIAS, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
     for key in ("sk-wrong", KEY + "x", KEY[:-1]):
@@ -910,6 +926,11 @@ def test_config_mistakes_are_config_errors(tmp_path: Path) -> None:
     config.write_text('[models.chat]\nmodel = "m.gguf"\nmax_queue = 3\n')
     read = read_server_config(config, max_tokens=64)
     assert read.models[0].engine.model == str(tmp_path / "m.gguf")  # relative to the file
+    config.write_text('[models.chat]\nmodel = "Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"\n')
+    assert (
+        read_server_config(config).models[0].engine.model == "Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
+    )  # a name
+    config.write_text('[models.chat]\nmodel = "m.gguf"\nmax_queue = 3\n')
     assert (read.models[0].max_queue, read.max_tokens, read.max_queue) == (3, 64, 64)
     with pytest.raises(ConfigError, match="names two models"):  # the file's alias and a flag's
         read_server_config(config, models=[spec])

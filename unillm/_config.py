@@ -175,13 +175,19 @@ def _read_toml(path: Path) -> dict[str, Any]:
                 f"got {type(data['unillm']).__name__} {data['unillm']!r}"
             )
         data = data["unillm"]
-    model = data.get("model")
-    if isinstance(model, str) and not Path(model).expanduser().is_absolute():
-        beside = path.parent / model
-        # a name (org/name:Q4_K_M) stays one, unless the file's folder holds a path spelled so
-        if parse_model_name(model) is None or beside.exists():
-            data["model"] = str(beside)
+    if "model" in data:
+        data["model"] = model_in_file(data["model"], path.parent)
     return data
+
+
+def model_in_file(model: Any, folder: Path) -> Any:
+    """A ``model`` written in a config file in ``folder``: a relative path is the file's folder's
+    (so a config works from any working directory); a name (org/name:Q4_K_M) stays one, unless
+    the folder holds a path spelled so. Every config file (engine, server) reads it by this rule."""
+    if not isinstance(model, str) or Path(model).expanduser().is_absolute():
+        return model
+    beside = folder / model
+    return str(beside) if parse_model_name(model) is None or beside.exists() else model
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from unillm._config import model_in_file
 from unillm._errors import ConfigError
 from unillm._params import EngineConfig, Validated
 
@@ -131,11 +132,12 @@ def model_spec(alias: str, table: Mapping[str, Any], *, base: Path | None = None
     if not isinstance(table, Mapping):
         raise ConfigError(f"[models.{alias}] must be a table of engine config keys, got {table!r}")
     engine = {k: v for k, v in table.items() if k not in _SERVER_KEYS}
-    model = engine.get("model")
-    if isinstance(model, str) and base is not None and not Path(model).expanduser().is_absolute():
-        engine["model"] = str(base / model)
+    if "model" in engine and base is not None:
+        engine["model"] = model_in_file(engine["model"], base)
     if "model" not in engine:
-        raise ConfigError(f"[models.{alias}] needs `model`: the path of a .gguf file or model directory")
+        raise ConfigError(
+            f"[models.{alias}] needs `model`: the path of a .gguf file or model directory, or a model's name"
+        )
     server = {k: table[k] for k in _SERVER_KEYS if k in table}
     return ModelSpec(alias=alias, engine=EngineConfig(**engine), **server)
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from unillm._contract._checks import check_prompt
 from unillm._contract._engine import ALWAYS_HANDLED
 from unillm._errors import ConfigError, UnsupportedParameter
 from unillm._types import SamplingParams
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from unillm.server._pool import Slot
     from unillm.server._state import State
 
-__all__ = ["RequestRecord", "sampling", "stream"]
+__all__ = ["RequestRecord", "fits", "sampling", "stream"]
 
 
 class RequestRecord:
@@ -73,6 +74,26 @@ def sampling(
     return params
 
 
+async def fits(engine: Engine[Any], prompt: str | Sequence[int], params: SamplingParams) -> None:
+    """Refuse a prompt that cannot fit the context before it takes a place in the queue. A text
+    shorter than the context in UTF-8 bytes (4 per character at most) cannot fill it, as every
+    token stands for at least one byte: only a longer one is counted (on a thread), and the
+    engine's own rule (``check_prompt``) decides. Where the engine cannot count, it decides later."""
+    window = engine.context_length
+    if not window:
+        return
+    if isinstance(prompt, str):
+        if 4 * len(prompt) + 1 < window:
+            return
+        try:
+            ids: Sequence[int] = await asyncio.to_thread(engine.tokenize, prompt)
+        except Exception:  # no tokenizer here, or a prompt it refuses: the engine says so later
+            return
+    else:
+        ids = prompt
+    check_prompt(ids, window, params.max_tokens)
+
+
 async def stream(
     state: State,
     slot: Slot,
@@ -90,6 +111,7 @@ async def stream(
     arrived = perf_counter()
     record.alias = slot.alias
     assert slot.admission is not None
+    await fits(engine, prompt, params)
     async with slot.admission.slot(slot.alias):
         start = perf_counter()
         m.queue.observe(start - arrived)

@@ -30,14 +30,14 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from unillm.backend import Live, StepWorker, TopLogprobs, logprobs_from_logits, shared_prefix
 
 __all__ = ["Batcher", "Job", "context_params", "finished"]
 
 #: What a request's stream gets per step: ``(token or None, logprobs or None, finish reason or None)``.
-Event = tuple[int | None, Any, str | None]
+Event = tuple[int | None, Any, Literal["stop", "length"] | None]
 
 
 def finished(event: Event) -> bool:
