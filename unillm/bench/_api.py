@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from unillm._inspect import ModelInfo
     from unillm._plan._estimate import Plan
 
-__all__ = ["bench_backends", "bench_engine", "bench_url", "model_path_for", "url_bench", "url_result"]
+__all__ = [
+    "bench_backends",
+    "bench_engine",
+    "bench_url",
+    "model_path_for",
+    "run_interleaved",
+    "url_bench",
+    "url_result",
+]
 
 
 def _run(bench: Bench) -> tuple[list[Level], bool]:
@@ -229,17 +237,7 @@ def _interleaved(
             engine = auto_engine(path, backend=backend, context_length=context_length)
             engines.append((engine, model_path_for(model, engine.name)))
         benches = [_engine_bench(engine, wl, progress) for engine, _ in engines]
-
-        async def main() -> None:
-            for kind, value in wl.levels():
-                for bench in benches:
-                    await bench.run_level(kind, value)
-
-        interrupted = False
-        try:
-            asyncio.run(main())
-        except KeyboardInterrupt:
-            interrupted = True
+        interrupted = run_interleaved(benches, wl)
         return [
             _engine_result(
                 engine, bench, bench.interrupted() if interrupted else bench.levels, interrupted,
@@ -250,6 +248,27 @@ def _interleaved(
     finally:
         for engine, _ in engines:
             engine.close()
+
+
+def run_interleaved(benches: Sequence[Bench], wl: BenchWorkload, *, rotate: bool = False) -> bool:
+    """Each level of ``wl`` on every bench in turn (``rotate``: who goes first moves by one a
+    level), then their targets closed; True when Ctrl-C ended it (each bench keeps what it measured)."""
+
+    async def main() -> None:
+        try:
+            for i, (kind, value) in enumerate(wl.levels()):
+                k = i % len(benches) if rotate else 0
+                for bench in [*benches[k:], *benches[:k]]:
+                    await bench.run_level(kind, value)
+        finally:
+            for bench in benches:
+                await bench.target.aclose()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        return True
+    return False
 
 
 def bench_url(

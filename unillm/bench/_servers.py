@@ -19,7 +19,6 @@ Peers, and the backend ``unillm serve`` runs beside them:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -290,7 +289,7 @@ def bench_servers(
     CPU threads for every engine (default: the cores); ``peer_python``: the interpreter the peers run
     under when this one cannot run them (xllamacpp in an environment of its own)."""
     from unillm._inspect._paths import hf_dir_in
-    from unillm.bench._api import model_path_for, url_bench, url_result
+    from unillm.bench._api import model_path_for, run_interleaved, url_bench, url_result
 
     wl = load_workload(workload)
     unknown = [p for p in peers if p not in PEERS]
@@ -334,21 +333,7 @@ def bench_servers(
             bench.target.rss = tree_rss_bytes
             benches.append(bench)
 
-        async def main() -> None:
-            try:
-                for i, (kind, value) in enumerate(wl.levels()):
-                    k = i % len(benches)
-                    for bench in benches[k:] + benches[:k]:  # who goes first rotates by level
-                        await bench.run_level(kind, value)
-            finally:
-                for bench in benches:
-                    await bench.target.aclose()
-
-        interrupted = False
-        try:
-            asyncio.run(main())
-        except KeyboardInterrupt:
-            interrupted = True
+        interrupted = run_interleaved(benches, wl, rotate=True)  # who goes first rotates by level
         return [
             url_result(
                 bench, server.url, bench.interrupted() if interrupted else bench.levels, interrupted,
