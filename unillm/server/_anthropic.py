@@ -31,7 +31,10 @@ from unillm.server._request import dumps, engine_for, record_of, render, text_of
 from unillm.server._schemas import CountTokensRequest, MessagesRequest
 
 if TYPE_CHECKING:
+    from unillm._chat._tools import ToolSpec
+    from unillm._contract._engine import Engine
     from unillm._types import Chunk
+    from unillm.server._pool import Slot
 
 __all__ = ["router"]
 
@@ -47,6 +50,17 @@ def _stop_reason(finish: str, stop_sequence: str | None) -> tuple[str, str | Non
     if stop_sequence is not None:
         return "stop_sequence", stop_sequence
     return "end_turn", None
+
+
+async def _prompt(
+    body: MessagesRequest | CountTokensRequest, request: Request
+) -> tuple[Slot, Engine[Any], str, ToolSpec | None, bool]:
+    """The alias's engine and the prompt the request's system prompt, turns and tools render to
+    under its chat template; and whether one tool call at most is wanted."""
+    msgs = _turns(body)
+    tools, one_call = read_anthropic_tools(body)
+    slot, engine = await engine_for(request.app.state.unillm, body.model, record_of(request))
+    return slot, engine, await render(engine, msgs, tools), tools, one_call
 
 
 def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
@@ -66,11 +80,7 @@ def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
     """The prompt tokens a Messages request with these messages, system prompt and tools would take."""
-    state, record = request.app.state.unillm, record_of(request)
-    msgs = _turns(body)
-    tools, _ = read_anthropic_tools(body)
-    _, engine = await engine_for(state, body.model, record)
-    prompt = await render(engine, msgs, tools)
+    _, engine, prompt, _, _ = await _prompt(body, request)
     try:
         ids = await asyncio.to_thread(engine.tokenize, prompt)
     except NotImplementedError as exc:  # a plugin engine without a tokenizer
@@ -81,10 +91,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
-    msgs = _turns(body)
-    tools, one_call = read_anthropic_tools(body)
-    slot, engine = await engine_for(state, body.model, record)
-    prompt = await render(engine, msgs, tools)
+    slot, engine, prompt, tools, one_call = await _prompt(body, request)
     stops = tuple(body.stop_sequences or ())
     fields = {
         "temperature": body.temperature,
