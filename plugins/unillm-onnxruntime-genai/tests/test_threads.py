@@ -73,14 +73,16 @@ print("loaded", e.loaded)
 async_e = OnnxGenAIEngine({"model": sys.argv[1]}).load()
 import asyncio
 async def main():
-    n = 0
+    n, last = 0, None
     try:
-        async for _ in async_e.astream("Hello", temperature=0.0, max_tokens=200):
+        async for last in async_e.astream("Hello", temperature=0.0, max_tokens=200):
             n += 1
             if n == 3:
                 await asyncio.to_thread(async_e.close)
     except unillm.EngineClosed:
         print("async closed after", n)
+    else:  # the worker had finished the whole generation before close() ran; it is delivered
+        print("async finished after", n, "reason", last.finish_reason)
 asyncio.run(main())
 """
 
@@ -95,6 +97,10 @@ def test_close_while_streaming_ends_the_stream_and_nothing_crashes(onnx_dir: Pat
     out = proc.stdout
     assert "chunks 3" in out and "closed onnxruntime-genai: the engine is closed" in out, out
     assert "loaded False" in out
-    # the async stream's thread may have handed on a few more chunks before it saw the close
+    # the async stream's thread may have handed on a few more chunks before it saw the close, or
+    # (on a loaded machine) finished the whole generation first: then it ends as any stream ends
     after = re.search(r"async closed after (\d+)", out)
-    assert after is not None and 3 <= int(after[1]) < 200, out
+    finished = re.search(r"async finished after (\d+) reason (\w+)", out)
+    assert (after is not None and 3 <= int(after[1]) < 200) or (
+        finished is not None and int(finished[1]) >= 3 and finished[2] in ("stop", "length")
+    ), out
