@@ -1,9 +1,9 @@
 """Hostile and careless input through the public API and the CLI: a typed error or a documented
 result, never a crash, a hang or unbounded memory.
 
-Each case runs in a subprocess of its own with an address-space limit and a timeout, so a case
-that would kill the interpreter (a native abort, a segfault) or eat the machine fails its test
-instead of ending the run.
+Each case runs in a process of its own (forked from one interpreter that has imported the engines)
+with an address-space limit and a timeout, so a case that would kill the interpreter (a native
+abort, a segfault) or eat the machine fails its test instead of ending the run.
 """
 
 from __future__ import annotations
@@ -11,8 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,12 +28,16 @@ HAS_MLX = importlib.util.find_spec("mlx_lm") is not None
 _LIMIT = 8 << 30  # address space per case: far above what a case needs, far below the machine
 _TIMEOUT = 180
 
-_HARNESS = rf"""
+# One interpreter imports unillm and the engines once and forks a child per case: each case still
+# runs in a process of its own (a native abort or segfault ends only that child, and the child exits
+# through the interpreter's normal shutdown), without paying a second of imports per case.
+_FORKS = rf"""
 import json, os, resource, sys, threading
-resource.setrlimit(resource.RLIMIT_AS, ({_LIMIT}, {_LIMIT}))
 import unillm
 from unillm import *
-GGUF, HF, ROOT, TMP = (os.environ[k] for k in ("T_GGUF", "T_HF", "T_ROOT", "T_TMP"))
+import importlib
+importlib.import_module(sys.argv[1])  # the engine the cases use, imported once before any fork
+GGUF, HF, ROOT = (os.environ[k] for k in ("T_GGUF", "T_HF", "T_ROOT"))
 
 def L(**kw):
     from unillm.engines.llamacpp import LlamaCppEngine
@@ -46,15 +54,91 @@ def variant(**kw):
     from unillm.testing._tiny import write_variant_gguf
     return str(write_variant_gguf(os.path.join(TMP, "variant.gguf"), **kw))
 
-result = None
-try:
-    exec(compile(sys.argv[1], "case", "exec"))
-    out = {{"outcome": "ok", "result": repr(result)[:300]}}
-except BaseException as exc:
-    typed = isinstance(exc, unillm.UnillmError)
-    out = {{"outcome": type(exc).__name__, "typed": typed, "message": str(exc)[:600]}}
-print("RESULT " + json.dumps(out), flush=True)
+def case(code, tmp, err):
+    global TMP, result
+    TMP = tmp
+    os.environ["T_TMP"], os.environ["UNILLM_CACHE"] = tmp, os.path.join(tmp, "cache")
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    os.close(fd)
+    resource.setrlimit(resource.RLIMIT_AS, ({_LIMIT}, {_LIMIT}))
+    result = None
+    try:
+        exec(compile(code, "case", "exec"), globals())
+        out = {{"outcome": "ok", "result": repr(result)[:300]}}
+    except BaseException as exc:
+        typed = isinstance(exc, unillm.UnillmError)
+        out = {{"outcome": type(exc).__name__, "typed": typed, "message": str(exc)[:600]}}
+    print("RESULT " + json.dumps(out), flush=True)
+
+print("READY", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        case(job["code"], job["tmp"], job["err"])
+        sys.exit(0)  # the child leaves the loop and ends through the interpreter's shutdown
+    _, status = os.waitpid(pid, 0)
+    print(f"EXIT {{os.waitstatus_to_exitcode(status)}}", flush=True)
 """
+
+
+class _Forks:
+    """The forking interpreter above, started on first use and again after a case that hung."""
+
+    def __init__(self, env: dict[str, str], engine: str) -> None:
+        self.env, self.engine = env, engine
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+
+    def _start(self) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _FORKS, self.engine], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, env=self.env, start_new_session=True,
+        )  # fmt: skip
+        self.lines = lines = queue.Queue()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        assert self._next() == "READY"
+        return proc
+
+    def _next(self) -> str | None:
+        try:
+            return self.lines.get(timeout=_TIMEOUT)
+        except queue.Empty:
+            self.stop()
+            pytest.fail(f"no answer in {_TIMEOUT} s: the case hangs")
+
+    def run(self, code: str, tmp: Path) -> dict[str, object]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+        err = tmp / "stderr.txt"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"code": code, "tmp": str(tmp), "err": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        result = None
+        while (line := self._next()) is not None and not line.startswith("EXIT "):
+            if line.startswith("RESULT "):
+                result = json.loads(line.removeprefix("RESULT "))
+        stderr = err.read_text(errors="replace")[-3000:] if err.exists() else ""
+        assert line is not None, f"the forking interpreter died:\n{stderr}"
+        code_ = int(line.removeprefix("EXIT "))
+        assert code_ == 0, f"the interpreter died ({code_}):\n{stderr}"
+        assert result is not None, stderr
+        return result
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
 
 # (id, code, the outcome: an exception class name, a tuple of them, or "ok")
 L_CASES = [
@@ -340,6 +424,19 @@ CLI_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def forks(tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Forks]]:
+    """A forking interpreter per engine: one with mlx-lm imported ends each child in 1.2 s more
+    (the shutdown of what transformers loads), so the llama.cpp cases fork from one without it."""
+    env = _env(tiny, tmp_path_factory.mktemp("forks"))
+    servers = {m: _Forks(env, m) for m in ("llama_cpp", "mlx_lm")}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def _env(tiny: TinyModel, tmp: Path) -> dict[str, str]:
     return {
         **os.environ,
@@ -351,24 +448,8 @@ def _env(tiny: TinyModel, tmp: Path) -> dict[str, str]:
     }
 
 
-def _run(code: str, tiny: TinyModel, tmp: Path) -> dict[str, object]:
-    out = subprocess.run(
-        [sys.executable, "-c", _HARNESS, code],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_env(tiny, tmp),
-        timeout=_TIMEOUT,
-    )
-    assert out.returncode == 0, f"the interpreter died ({out.returncode}):\n{out.stderr[-3000:]}"
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, out.stderr[-3000:]
-    result: dict[str, object] = json.loads(line.removeprefix("RESULT "))
-    return result
-
-
-def _check(code: str, want: str | tuple[str, ...], tiny: TinyModel, tmp: Path) -> None:
-    got = _run(code, tiny, tmp)
+def _check(code: str, want: str | tuple[str, ...], forks: _Forks, tmp: Path) -> None:
+    got = forks.run(code, tmp)
     wanted = (want,) if isinstance(want, str) else want
     assert got["outcome"] in wanted, got
     if got["outcome"] != "ok":
@@ -380,14 +461,14 @@ def _check(code: str, want: str | tuple[str, ...], tiny: TinyModel, tmp: Path) -
 @pytest.mark.parametrize(
     ("code", "want"), [c[1:] for c in L_CASES + B_CASES], ids=[c[0] for c in L_CASES + B_CASES]
 )
-def test_api_case(code: str, want: str | tuple[str, ...], tiny: TinyModel, tmp_path: Path) -> None:
-    _check(code, want, tiny, tmp_path)
+def test_api_case(code: str, want: str | tuple[str, ...], forks: dict[str, _Forks], tmp_path: Path) -> None:
+    _check(code, want, forks["llama_cpp"], tmp_path)
 
 
 @pytest.mark.skipif(not HAS_MLX, reason="mlx-lm is not installed")
 @pytest.mark.parametrize(("code", "want"), [c[1:] for c in M_CASES], ids=[c[0] for c in M_CASES])
-def test_mlx_case(code: str, want: str | tuple[str, ...], tiny: TinyModel, tmp_path: Path) -> None:
-    _check(code, want, tiny, tmp_path)
+def test_mlx_case(code: str, want: str | tuple[str, ...], forks: dict[str, _Forks], tmp_path: Path) -> None:
+    _check(code, want, forks["mlx_lm"], tmp_path)
 
 
 @pytest.mark.parametrize("args", [c[1] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
