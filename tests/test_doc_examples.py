@@ -13,6 +13,7 @@ block that is neither runnable nor listed fails, and so does a table entry that 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -26,6 +27,8 @@ import pytest
 
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV
 from unillm.testing import SIZES, HubServer, TinyModel, build_tiny_model, tiny_gguf
+
+from .conftest import VLLM_OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -150,7 +153,12 @@ RUNS: dict[tuple[str, str], Run] = {
         "exllamav2 needs a CUDA or ROCm GPU: the API's fake (tests/fake_exllamav2), a GPU assumed",
         env={"PYTHONPATH": str(FAKE_EXLLAMAV2), ASSUME_GPU_ENV: "1"},
     ),
-    ("docs/backends/vllm.md", 'backend="vllm"'): Run("the vLLM page's example", vllm=True),
+    ("docs/backends/vllm.md", 'backend="vllm"'): Run(
+        "the vLLM page's example, eager with a small KV cache set in the environment (UNILLM_OPTIONS):"
+        " a start without compiling; tests/test_parity.py runs vLLM's defaults",
+        env={"UNILLM_OPTIONS": json.dumps(VLLM_OPTIONS)},
+        vllm=True,
+    ),
 }
 
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from unillm import SamplingParams, auto_engine
+from unillm import EngineConfig, SamplingParams, auto_engine
+from unillm._choose._auto import choose
 from unillm.testing import TinyModel, build_tiny_model, check_parity
 from unillm.testing._tiny import SPECIAL_TOKENS
 
@@ -148,19 +149,26 @@ def test_a_model_declaring_several_eos_ids_stops_on_each(tmp_path: Path) -> None
 _APP = """
 import json, sys
 from unillm import load_engine
-with load_engine({"model": sys.argv[1]}) as e:
+with load_engine(sys.argv[1]) as e:
     c = e.generate("The quick brown fox", temperature=0, max_tokens=16)
     print(json.dumps({"backend": e.name, "ids": list(c.token_ids), "finish": c.finish_reason}))
 """
 
 
-def test_unillm_backend_alone_swaps_the_engine(tiny: TinyModel) -> None:
-    """The same app, the same multi-format model directory, only UNILLM_BACKEND changed."""
+def test_unillm_backend_alone_swaps_the_engine(tiny: TinyModel, tmp_path: Path) -> None:
+    """The same app, the same config file naming the multi-format model directory, only
+    UNILLM_BACKEND changed. The file holds vLLM's options (eager, a small KV cache) in its own
+    table, which the other backends never read: vLLM's defaults are the parity fixture's."""
+    config = tmp_path / "unillm.toml"
+    config.write_text(
+        f"model = {json.dumps(str(tiny.root))}\n[backend_options.vllm]\n"
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in VLLM_OPTIONS.items())
+    )
     runs = {}
     for backend in ["llama.cpp", "mlx", *(["vllm"] if HAS["vllm"] else [])]:
         env = {**os.environ, "UNILLM_BACKEND": backend}
         out = subprocess.run(
-            [sys.executable, "-c", _APP, str(tiny.root)],
+            [sys.executable, "-c", _APP, str(config)],
             check=False,
             capture_output=True,
             text=True,
@@ -184,5 +192,8 @@ def test_several_users_select_vllm_and_say_why(tiny: TinyModel) -> None:
         assert e.selection is not None
         text = e.selection.explain()
         assert "16 concurrent requests" in text and "several users" in text
-    with auto_engine(tiny.root, concurrency=16, **quick) as e:  # the directory with both formats too
-        assert e.name == "vllm"
+    # the directory with both formats too: the same choice, made as auto_engine makes it before it
+    # loads (the load above showed that a choice of vLLM loads)
+    both = choose(EngineConfig(model=str(tiny.root), concurrency=16, **quick))
+    assert both.selection.backend == "vllm", both.selection.explain()
+    assert "several users" in both.selection.explain()

@@ -547,14 +547,14 @@ def test_a_kv_cache_too_small_for_one_sequence_is_out_of_memory(tiny: TinyModel)
 
 @pytest.mark.slow
 def test_load_close_cycles_free_the_engine_its_processes_and_leak_nothing(tiny: TinyModel) -> None:
-    """UNILLM_VLLM_LEAK_CYCLES (default 4) load/generate/close cycles, each closed from another
+    """UNILLM_VLLM_LEAK_CYCLES (default 3) load/generate/close cycles, each closed from another
     thread in the middle of a stream: the engine's processes end, the AsyncLLM is freed, the open
     stream ends with EngineClosed, every cycle gives the same tokens, and threads, descriptors,
     child processes and memory do not grow. What the first cycle leaves (imports, vLLM's caches,
     multiprocessing's resource tracker) is the baseline; set the variable to 20 for a longer hunt
     (each cycle is a vLLM start, 25-60 s here)."""
     psutil = pytest.importorskip("psutil")
-    cycles = max(2, int(os.environ.get("UNILLM_VLLM_LEAK_CYCLES", "4")))
+    cycles = max(2, int(os.environ.get("UNILLM_VLLM_LEAK_CYCLES", "3")))
     me = psutil.Process()
     records: list[logging.LogRecord] = []
 
