@@ -55,6 +55,21 @@ def serve(
     ttl: Annotated[float | None, typer.Option(help="Unload a model idle this many seconds.")] = None,
     max_loaded: Annotated[int | None, typer.Option(help="Models loaded at once (LRU goes first).")] = None,
     grace: Annotated[float | None, typer.Option(help="Seconds in-flight requests get on shutdown.")] = None,
+    write_timeout: Annotated[
+        float | None, typer.Option(help="Cut off a client that reads none of its stream this many seconds.")
+    ] = None,
+    header_timeout: Annotated[
+        float | None, typer.Option(help="Close a connection whose request headers take longer.")
+    ] = None,
+    body_timeout: Annotated[
+        float | None, typer.Option(help="Longest wait for the next part of a request body (408).")
+    ] = None,
+    idle_timeout: Annotated[
+        float | None, typer.Option(help="Close a kept-alive connection idle this long.")
+    ] = None,
+    max_connections: Annotated[
+        int | None, typer.Option(help="Open connections at once; beyond: 503.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve models over the OpenAI (and Anthropic Messages) HTTP API."""
@@ -79,7 +94,9 @@ def serve(
         cfg = read_server_config(
             config, models=specs, host=host, port=port, api_key=api_key, max_queue=max_queue,
             max_running=max_running, max_tokens=max_tokens, max_body_bytes=max_body_bytes, lazy=lazy,
-            ttl_s=ttl, max_loaded=max_loaded, grace_s=grace,
+            ttl_s=ttl, max_loaded=max_loaded, grace_s=grace, write_timeout_s=write_timeout,
+            header_timeout_s=header_timeout, body_timeout_s=body_timeout, idle_timeout_s=idle_timeout,
+            max_connections=max_connections,
         )  # fmt: skip
     _logging(log_level)
     err = _console(stderr=True)
@@ -125,13 +142,42 @@ def _run(cfg: Any, pool: Any) -> None:
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(
+    from unillm.server._protocol import uvicorn_options
+
+    app = create_app(cfg, pool=pool)
+    state = app.state.unillm
+    options = uvicorn_options(state)
+    if "http" not in options:
+        logging.getLogger("unillm.server").warning(
+            "httptools is not installed: header_timeout_s, max_connections and the header limits are "
+            "not enforced (pip install 'unillm[server]')"
+        )
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # at the first signal: new and queued requests get a 503, running ones grace_s
+            if not self.should_exit and self.started:
+                asyncio_loop = getattr(self, "_unillm_loop", None)
+                if asyncio_loop is not None:
+                    asyncio_loop.call_soon_threadsafe(state.begin_shutdown)
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: Any = None) -> None:
+            import asyncio
+
+            self._unillm_loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+    server = Server(
         uvicorn.Config(
-            create_app(cfg, pool=pool),
+            app,
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=int(cfg.grace_s) if cfg.grace_s else None,
+            # a backstop only: past grace_s the requests still running end in the protocol's
+            # error (begin_shutdown), which leaves uvicorn nothing to cancel
+            timeout_graceful_shutdown=int(cfg.grace_s) + 10,
             lifespan="on",
+            **options,
         )
     )
     server.run(sockets=[sock])

@@ -23,7 +23,7 @@ from unillm._contract._engine import forced_params
 from unillm._contract._run import afold
 from unillm._errors import ConfigError
 from unillm.server._anthropic_tools import input_json, read_anthropic_tools, tool_use_blocks, turns
-from unillm.server._errors import ApiError
+from unillm.server._errors import ApiError, anthropic_type
 from unillm.server._generate import sampling, stream
 from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
 
@@ -208,7 +208,7 @@ async def _events(
     except Exception as exc:
         from unillm.server._errors import public_message
 
-        kind = "invalid_request_error" if isinstance(exc, ApiError) else "api_error"
+        kind = anthropic_type(exc.status) if isinstance(exc, ApiError) else "api_error"
         yield _event("error", {"error": {"type": kind, "message": public_message(exc, None)}})
     finally:
         await chunks.aclose()

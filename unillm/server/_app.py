@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse, Response
 
 from unillm.server import _anthropic, _openai
 from unillm.server._config import ServerConfig
-from unillm.server._errors import ApiError, error_response, install
+from unillm.server._errors import ApiError, error_response, install, shutting_down
 from unillm.server._generate import RequestRecord
 from unillm.server._pool import Pool
 from unillm.server._request import adapter_of, chat_prompt, engine_for, record_of, served_adapters
 from unillm.server._schemas import DetokenizeRequest, TokenizeRequest
 from unillm.server._state import State
+from unillm.server._writer import Writer
 
 __all__ = ["State", "create_app"]
 
@@ -54,7 +55,7 @@ def create_app(config: ServerConfig, *, pool: Pool | None = None) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             await pool.close()
 
-    app = FastAPI(title="unillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = _App(title="unillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.unillm = state
     install(app, state.paths)
     app.include_router(_openai.router)
@@ -140,6 +141,25 @@ def _add_routes(app: FastAPI, state: State) -> None:
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
+class _App(FastAPI):
+    """FastAPI, keeping the connection's transport in the scope (the server's own ``send``,
+    uvicorn's, is only seen here, outside every middleware): the stream writer reads whether its
+    buffer has room, and aborts it when the client reads nothing (a close would wait for the
+    unsent bytes to drain)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if all(
+                hasattr(transport, a) for a in ("abort", "get_write_buffer_size", "get_write_buffer_limits")
+            ):
+                scope["unillm.transport"] = transport
+        await super().__call__(scope, receive, send)
+
+
+_TRANSPORT = ("abort", "get_write_buffer_size", "get_write_buffer_limits")  # what Writer uses
+
+
 def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         try:
@@ -151,8 +171,9 @@ def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Edge:
-    """Pure ASGI middleware (it never buffers a stream): the API key, the body limit, the
-    access log and the per-route request counter."""
+    """Pure ASGI middleware: the API key, the body's size and pace, refusals while shutting down,
+    the access log, the per-route request counter, and the writer that stands between a stream
+    and its client's socket."""
 
     def __init__(self, app: Any, state: State) -> None:
         self.app = app
@@ -167,10 +188,17 @@ class Edge:
         started = time.perf_counter()
         record = scope["unillm.record"] = RequestRecord()
         status = [500]
+        writer: Writer | None = None
 
         async def sending(message: dict[str, Any]) -> None:
+            nonlocal writer
+            if writer is not None:
+                await writer.send(message)
+                return
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if _streams(message):
+                    writer = Writer(send, scope, self.state)
             await send(message)
 
         try:
@@ -181,7 +209,11 @@ class Edge:
             await self.app(scope, self._bounded(scope, receive), sending)
         except _TooLarge:
             await self._answer(scope, _too_large(self.limit), sending)
+        except _TooSlow:
+            await self._answer(scope, _too_slow(self.state.config.body_timeout_s), sending)
         finally:
+            if writer is not None:
+                await writer.done()
             if record.pinned is not None:
                 record.pinned.pins -= 1
             path = scope.get("path", "")
@@ -190,6 +222,8 @@ class Edge:
                 _log_access(scope, status[0], record, time.perf_counter() - started)
 
     def _refusal(self, scope: dict[str, Any]) -> ApiError | None:
+        if self.state.stopping and scope.get("path") not in _OPEN:
+            return shutting_down()
         headers = dict(scope.get("headers") or ())
         if self.key is not None and scope.get("path") not in _OPEN:
             given = headers.get(b"x-api-key")
@@ -212,16 +246,26 @@ class Edge:
         return None
 
     def _bounded(self, scope: dict[str, Any], receive: Any) -> Any:
-        """``receive``, counting a body sent without a length (chunked) against the limit."""
+        """``receive``, counting a body sent without a length (chunked) against the limit, and
+        waiting at most ``body_timeout_s`` for each of its parts (not for the disconnect that a
+        response listens for once the body is in)."""
         seen = [0]
         limit = self.limit
+        timeout = self.state.config.body_timeout_s
+        whole = [False]
 
         async def bounded() -> dict[str, Any]:
-            message: dict[str, Any] = await receive()
+            if whole[0]:
+                return await receive()  # type: ignore[no-any-return]
+            try:
+                message: dict[str, Any] = await asyncio.wait_for(receive(), timeout)
+            except TimeoutError:
+                raise _TooSlow() from None
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > limit:
                     raise _TooLarge()
+                whole[0] = not message.get("more_body", False)
             return message
 
         return bounded
@@ -236,6 +280,23 @@ class _TooLarge(HTTPException):
 
     def __init__(self) -> None:
         super().__init__(413)
+
+
+class _TooSlow(HTTPException):
+    """Raised from ``receive`` when the next part of a body is later than ``body_timeout_s``."""
+
+    def __init__(self) -> None:
+        super().__init__(408)
+
+
+def _too_slow(timeout: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive within {timeout:g} s; send it faster",
+                    code="request_timeout", headers={"Connection": "close"})  # fmt: skip
+
+
+def _streams(start: dict[str, Any]) -> bool:
+    headers = start.get("headers", ())
+    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
 async def _no_body() -> dict[str, Any]:

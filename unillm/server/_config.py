@@ -95,6 +95,33 @@ class ServerConfig(Validated):
         default=30.0, ge=0, description="On shutdown, how long in-flight requests may finish."
     )
     access_log: bool = Field(default=True, description="One log line per request.")
+    write_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A client that takes none of its streamed answer this long is cut "
+        "off (its request cancelled, its connection closed); generation never waits on a client.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A connection's request headers must arrive within this many "
+        "seconds (of the connection's start, or of the request's first byte); else it is closed.",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for the next part of a request body (408 beyond)."
+    )
+    idle_timeout_s: float = Field(
+        default=5.0, gt=0, description="A kept-alive connection with no request this long is closed."
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, le=1_000_000, description="Open connections at once; one more gets a 503."
+    )
+    max_header_bytes: int = Field(
+        default=64 << 10, ge=1024, description="Largest request line and headers together (431 above)."
+    )
+    max_headers: int = Field(
+        default=100, ge=8, le=10_000, description="Most headers a request may send (431 above)."
+    )
 
     @field_validator("models")
     @classmethod

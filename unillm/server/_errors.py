@@ -43,7 +43,7 @@ from unillm.server._pool import Busy, UnknownModel
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-__all__ = ["error_response", "install", "public_message", "to_api_error"]
+__all__ = ["anthropic_type", "error_response", "install", "public_message", "shutting_down", "to_api_error"]
 
 log = logging.getLogger("unillm.server")
 
@@ -51,7 +51,8 @@ log = logging.getLogger("unillm.server")
 _PATH = re.compile(r"(?<![\w.~])(?:~|/)[\w.\-~+@%]*(?:/[\w.\-~+@%]*)+|(?<![\w])[A-Za-z]:\\[^\s'\"]+")
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+    408: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+    503: "overloaded_error",
 }  # fmt: skip
 
 
@@ -113,6 +114,20 @@ def to_api_error(exc: BaseException, paths: dict[str, str] | None = None) -> Api
     return ApiError(500, "the server failed to answer this request; see its log", type_="server_error")
 
 
+def anthropic_type(status: int) -> str:
+    """The Anthropic error ``type`` for an HTTP status."""
+    return _ANTHROPIC_TYPES.get(status, "api_error")
+
+
+def shutting_down() -> ApiError:
+    """The answer to a request that arrives, waits or still runs once the server is stopping."""
+    return ApiError(
+        503, "the server is shutting down; retry in a moment (on another instance, or once it is back)",
+        type_="server_error", code="server_shutting_down",
+        headers={"Retry-After": "5", "Connection": "close"},
+    )  # fmt: skip
+
+
 def error_response(request: Request | None, err: ApiError) -> JSONResponse:
     """OpenAI's error body, or Anthropic's for the Messages route."""
     path = request.url.path if request is not None else ""
@@ -122,7 +137,7 @@ def error_response(request: Request | None, err: ApiError) -> JSONResponse:
         message = f"{err.param}: {err.message}" if named else err.message
         body: dict[str, Any] = {
             "type": "error",
-            "error": {"type": _ANTHROPIC_TYPES.get(err.status, "api_error"), "message": message},
+            "error": {"type": anthropic_type(err.status), "message": message},
         }
     else:
         # a refusal without a more precise code is about the value of what was sent
@@ -165,6 +180,8 @@ def install(app: FastAPI, paths: dict[str, str]) -> None:
         code = None
         if exc.status_code == 413:  # a chunked body over the limit, found while reading it
             message, code = "the request body is larger than this server takes", "request_too_large"
+        elif exc.status_code == 408:  # the next part of the body came later than body_timeout_s
+            message, code = "the request body did not arrive in time; send it faster", "request_timeout"
         elif exc.status_code == 404:
             message = f"there is no route {request.url.path[:100]!r}; see GET /v1/models and docs/server.md"
         else:

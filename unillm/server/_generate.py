@@ -14,7 +14,7 @@ from unillm._contract._checks import check_prompt
 from unillm._contract._engine import ALWAYS_HANDLED
 from unillm._errors import ConfigError, UnsupportedParameter
 from unillm._types import SamplingParams
-from unillm.server._errors import ApiError
+from unillm.server._errors import ApiError, shutting_down
 
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
@@ -121,6 +121,8 @@ async def stream(
         finish: str | None = None
         try:
             async for chunk in engine.astream(prompt, params):
+                if state.cut:  # shutting down, and the grace is over: end in the protocol's error
+                    raise shutting_down()
                 now = perf_counter()
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason

@@ -61,6 +61,18 @@ class Metrics:
         self.requests = Counter(
             "unillm:requests", "HTTP requests answered, by route and status.", ("route", "status"), registry=r
         )
+        self.stalled = Counter(
+            "unillm:stalled_clients",
+            "Streams cut off because the client took none of its answer for write_timeout_s.",
+            registry=r,
+        )
+        self.closed_connections = Counter(
+            "unillm:closed_connections",
+            "Connections closed by the server's limits, by why (header_timeout, too_many_connections, "
+            "headers_too_large).",
+            ("why",),
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
 
     def labels(self, alias: str, backend: str) -> _Bound:

@@ -278,7 +278,8 @@ async def _sse(
                     yield event(chunk)
                 chunk = await anext(chunks)
         except ApiError as exc:
-            yield ("data: " + dumps({"error": {"message": exc.message, "type": exc.type}}) + "\n\n" + _DONE)
+            err = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+            yield "data: " + dumps({"error": err}) + "\n\n" + _DONE
         except Exception as exc:
             from unillm.server._errors import public_message
 

@@ -75,9 +75,18 @@ class Admission:
         self.running = 0
         self.waiting = 0
         self._free = asyncio.Semaphore(running)
+        self._closed = asyncio.Event()  # set when the server is shutting down
+
+    def close(self) -> None:
+        """The server is shutting down: the requests waiting, and any that come, get a 503."""
+        self._closed.set()
 
     @contextlib.asynccontextmanager
     async def slot(self, alias: str) -> AsyncIterator[None]:
+        from unillm.server._errors import shutting_down
+
+        if self._closed.is_set():
+            raise shutting_down()
         if self._free.locked() and self.waiting >= self.queue:
             raise Busy(
                 f"{alias!r} has {self.running} requests running and {self.waiting} waiting (the most "
@@ -85,7 +94,10 @@ class Admission:
             )
         self.waiting += 1
         try:
-            await self._free.acquire()
+            if not self._free.locked():
+                await self._free.acquire()
+            else:
+                await self._wait()
         finally:
             self.waiting -= 1
         self.running += 1
@@ -94,6 +106,24 @@ class Admission:
         finally:
             self.running -= 1
             self._free.release()
+
+    async def _wait(self) -> None:
+        """Wait for a free place in arrival order, or for the shutdown (then a 503)."""
+        from unillm.server._errors import shutting_down
+
+        acquire = asyncio.ensure_future(self._free.acquire())
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait((acquire, closed), return_when=asyncio.FIRST_COMPLETED)
+            if self._closed.is_set():
+                raise shutting_down()
+        except BaseException:  # cancelled (the client left) or refused: give back a place taken
+            if acquire.done() and not acquire.cancelled():
+                self._free.release()
+            acquire.cancel()
+            raise
+        finally:
+            closed.cancel()
 
     @property
     def in_use(self) -> int:
