@@ -256,7 +256,9 @@ def test_chat_returns_top_logprobs_per_token(client: openai.OpenAI) -> None:
         assert values == sorted(values, reverse=True)
         assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
-        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+        # each token's exact bytes: its text where that is whole characters (a lone byte of a
+        # multi-byte character reads as U+FFFD, its bytes the byte itself)
+        assert all(bytes(t.bytes).decode(errors="replace") == t.token for t in entry.top_logprobs)
     streamed = [
         e for c in client.chat.completions.create(**kw, stream=True)
         if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content
@@ -275,6 +277,36 @@ def test_chat_returns_top_logprobs_per_token(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**{**kw, "logprobs": False})
     assert refused.value.param == "top_logprobs"  # type: ignore[attr-defined]
+
+
+def test_logprob_bytes_are_each_tokens_exact_bytes(client: openai.OpenAI, engines: dict[str, Any]) -> None:
+    """A character the tokenizer splits into byte tokens: each token's ``bytes`` is its byte, so
+    the entries' bytes join into the text; every engine gives each id of the vocabulary the same
+    bytes (llama.cpp's pieces, and the Hugging Face tokenizer's through ``hf_token_bytes``)."""
+    text = "敏捷的棕色狐狸 🙂 Ünïcödé"
+    for name, e in engines.items():
+        ids = e.tokenize(text)
+        assert any("\ufffd" in e.detokenize([i]) for i in ids), name  # some token is part of a character
+        assert b"".join(e.token_bytes(i) for i in ids) == text.encode(), name
+    llama = engines["llama.cpp"]
+    vocab = range(llama.vocab_size)
+    want = [llama.token_bytes(i) for i in vocab]
+    for name, e in engines.items():
+        assert [e.token_bytes(i) for i in vocab] == want, name
+    # through the server: a token that is a lone byte carries that byte, not U+FFFD's three
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=24, temperature=0,
+        logprobs=True, top_logprobs=20, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    seen = [alt for entry in content for alt in [entry, *entry.top_logprobs]]
+    lone = [alt for alt in seen if alt.token == "\ufffd"]
+    assert lone, "no token of this answer or its alternatives is a lone byte: the check would be empty"
+    assert all(len(alt.bytes) == 1 and alt.bytes[0] >= 0x80 for alt in lone), [a.bytes for a in lone][:5]
+    assert all(bytes(alt.bytes).decode(errors="replace") == alt.token for alt in seen)
+    joined = b"".join(bytes(e.bytes) for e in content)
+    assert joined.decode(errors="replace") == chat.choices[0].message.content
 
 
 def test_a_backend_without_alternatives_refuses_them_by_the_policy() -> None:

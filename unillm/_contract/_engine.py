@@ -291,6 +291,12 @@ class Engine(Lifetime, Generic[P]):
         """Text of ``ids``."""
         raise NotImplementedError(f"{self.name} does not expose its tokenizer")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token stands for (OpenAI's ``logprobs[].bytes``): a token that is
+        one byte of a multi-byte character is that byte, where ``detokenize`` shows U+FFFD.
+        Default: ``detokenize``'s text as UTF-8, exact wherever a token is whole characters."""
+        return self.detokenize([token_id]).encode()
+
     def kv_stats(self) -> KVStats:
         """The KV cache now; fields the engine cannot tell are None."""
         return KVStats()

@@ -80,6 +80,7 @@ from unillm._contract._logprobs import from_logprobs as logprobs_from_logprobs
 from unillm._contract._logprobs import top_k as top_k_logprobs
 from unillm._contract._loops import host_loop
 from unillm._contract._run import RawPiece, Request, RequestState, TopLogprobs
+from unillm._contract._tokens import hf_token_bytes
 from unillm._contract._worker import Live, Mailbox, Mailboxes, StepWorker
 from unillm._errors import warn
 from unillm._hardware import EngineBuild
@@ -150,6 +151,7 @@ __all__ = [
     "gguf_in",
     "gpu_present",
     "hf_chat_template",
+    "hf_token_bytes",
     "hf_dir_in",
     "host_loop",
     "installed",

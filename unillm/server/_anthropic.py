@@ -25,7 +25,16 @@ from unillm._errors import ConfigError
 from unillm.server._anthropic_tools import input_json, read_anthropic_tools, tool_use_blocks, turns
 from unillm.server._errors import ApiError, anthropic_type
 from unillm.server._generate import sampling, stream
-from unillm.server._request import dumps, engine_for, record_of, render, text_of, unless_gone
+from unillm.server._request import (
+    dumps,
+    engine_for,
+    nucleus,
+    record_of,
+    refuse_unsupported,
+    render,
+    text_of,
+    unless_gone,
+)
 
 # FastAPI reads the body models from the annotations at runtime
 from unillm.server._schemas import CountTokensRequest, MessagesRequest
@@ -70,6 +79,7 @@ def _turns(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
             400, "extended thinking is not served by this server; leave it out", param="thinking",
             code="unsupported_parameter",
         )  # fmt: skip
+    refuse_unsupported([n for n in ("container", "output_config") if getattr(body, n, None) is not None])
     msgs = []
     if body.system is not None:
         msgs.append({"role": "system", "content": text_of(body.system, "system")})
@@ -93,9 +103,10 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     slot, engine, prompt, tools, one_call = await _prompt(body, request)
     stops = tuple(body.stop_sequences or ())
+    temperature, top_p = nucleus(body.temperature, body.top_p)
     fields = {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "temperature": temperature,
+        "top_p": top_p,
         "top_k": body.top_k,
         "stop": stops or None,
         "lora": record.adapter,
@@ -111,20 +122,20 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     if not body.stream or tools is not None:
         done = await unless_gone(request, afold(chunks))
         reason, seq = _stop_reason(done.finish_reason, done.stop_sequence)
-        content: list[dict[str, Any]] = [{"type": "text", "text": done.text}]
+        content: list[dict[str, Any]] = [{"type": "text", "text": done.text, "citations": None}]
         if tools is not None:
             try:
                 text, calls = parse_tool_calls(done.text, tools.names, forced=tools.forced)
             except ToolCallParseError:  # cut by max_tokens: the text as it is
                 text, calls = done.text, ()
             calls = calls[:1] if one_call else calls
-            content = [{"type": "text", "text": text}] if text or not calls else []
+            content = [{"type": "text", "text": text, "citations": None}] if text or not calls else []
             content += tool_use_blocks(calls)
             reason = "tool_use" if calls else reason
         u = done.usage
         message = {
             "id": mid, "type": "message", "role": "assistant", "model": slot.alias, "content": content,
-            "stop_reason": reason, "stop_sequence": seq,
+            "stop_reason": reason, "stop_sequence": seq, "stop_details": None, "container": None,
             "usage": _usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
         }  # fmt: skip
         if body.stream:
@@ -150,7 +161,7 @@ def _held_events(message: dict[str, Any]) -> list[str]:
     events = [_event("message_start", {"message": start})]
     for i, block in enumerate(message["content"]):
         if block["type"] == "text":
-            opened: dict[str, Any] = {"type": "text", "text": ""}
+            opened: dict[str, Any] = {"type": "text", "text": "", "citations": None}
             delta = {"type": "text_delta", "text": block["text"]}
         else:
             opened = {**block, "input": {}}
@@ -165,10 +176,13 @@ def _held_events(message: dict[str, Any]) -> list[str]:
 
 
 def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"input_tokens": prompt, "output_tokens": completion}
-    if cached is not None:
-        out["cache_read_input_tokens"] = cached
-    return out
+    """Anthropic's usage object, every field its document requires; what a local engine has no
+    such thing for is null (no cache writes a client asked for, no server tools, no tiers)."""
+    return {
+        "input_tokens": prompt, "output_tokens": completion, "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": None, "cache_creation": None, "inference_geo": None,
+        "output_tokens_details": None, "server_tool_use": None, "service_tier": None,
+    }  # fmt: skip
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
@@ -182,10 +196,12 @@ async def _events(
         # the prompt's size arrives with the last chunk; message_start says 0 until message_delta
         message: dict[str, Any] = {
             "id": mid, "type": "message", "role": "assistant", "model": alias, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": _usage(0, 0, None),
+            "stop_reason": None, "stop_sequence": None, "stop_details": None, "container": None,
+            "usage": _usage(0, 0, None),
         }  # fmt: skip
         yield _event("message_start", {"message": message})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        block = {"type": "text", "text": "", "citations": None}
+        yield _event("content_block_start", {"index": 0, "content_block": block})
         delta = (
             'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
             '"delta":{"type":"text_delta","text":'

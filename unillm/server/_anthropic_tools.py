@@ -118,7 +118,7 @@ def _result_text(content: Any, where: str) -> str:
 def tool_use_blocks(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
     """The calls as Anthropic's ``tool_use`` content blocks."""
     return [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
-             "input": c.arguments} for c in calls]  # fmt: skip
+             "input": c.arguments, "caller": {"type": "direct"}} for c in calls]  # fmt: skip
 
 
 def input_json(block: dict[str, Any]) -> str:

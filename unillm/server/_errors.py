@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -138,6 +139,7 @@ def error_response(request: Request | None, err: ApiError) -> JSONResponse:
         body: dict[str, Any] = {
             "type": "error",
             "error": {"type": anthropic_type(err.status), "message": message},
+            "request_id": "req_" + secrets.token_hex(12),  # Anthropic's answers carry one
         }
     else:
         # a refusal without a more precise code is about the value of what was sent

@@ -32,6 +32,7 @@ from unillm.server._request import (
     openai_sampling,
     read_request_tools,
     record_of,
+    refuse_unsupported,
     unless_gone,
 )
 
@@ -76,6 +77,7 @@ def _finish(reason: str | None) -> str | None:
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     check_common(body)
+    refuse_unsupported(body.unsupported())
     tools = read_request_tools(body)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -121,14 +123,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     check_common(body)
     refused = {"echo": body.echo, "best_of": (body.best_of or 1) > 1, "suffix": body.suffix is not None}
-    for name, asked in refused.items():
-        if asked:
-            raise ApiError(
-                400,
-                f"{name} is not supported by this server; leave it out",
-                param=name,
-                code="unsupported_parameter",
-            )
+    refuse_unsupported([name for name, asked in refused.items() if asked])
     prompt = _one_prompt(body.prompt)
     slot, engine = await engine_for(state, body.model, record)
     params = openai_sampling(

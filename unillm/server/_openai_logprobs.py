@@ -15,17 +15,25 @@ __all__ = ["chat_logprobs", "completion_logprobs"]
 
 
 class _Texts:
-    """Each id's text, detokenized once per answer (the alternatives repeat)."""
+    """Each id's text, detokenized once per answer (the alternatives repeat), and its exact bytes
+    (``Engine.token_bytes``: a byte of a multi-byte character is that byte, not U+FFFD's three)."""
 
     def __init__(self, engine: Engine[Any]) -> None:
         self._engine = engine
         self._seen: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, tid: int) -> str:
         text = self._seen.get(tid)
         if text is None:
             text = self._seen[tid] = self._engine.detokenize([tid])
         return text
+
+    def bytes(self, tid: int) -> list[int]:
+        got = self._bytes.get(tid)
+        if got is None:
+            got = self._bytes[tid] = list(self._engine.token_bytes(tid))
+        return got
 
 
 def chat_logprobs(engine: Engine[Any], out: Chunk | Completion) -> dict[str, Any]:
@@ -38,8 +46,8 @@ def chat_logprobs(engine: Engine[Any], out: Chunk | Completion) -> dict[str, Any
         if tops is not None and i < len(tops):
             for alt, alt_lp in tops[i]:
                 t = text(alt)
-                alternatives.append({"token": t, "logprob": alt_lp, "bytes": list(t.encode())})
-        entry = {"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": alternatives}
+                alternatives.append({"token": t, "logprob": alt_lp, "bytes": text.bytes(alt)})
+        entry = {"token": token, "logprob": lp, "bytes": text.bytes(tid), "top_logprobs": alternatives}
         entries.append(entry)
     return {"content": entries, "refusal": None}
 

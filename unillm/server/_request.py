@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "chat_prompt", "check_common", "dumps", "engine_for", "openai_sampling", "read_request_tools",
-    "record_of", "text_of", "unless_gone",
+    "nucleus", "record_of", "refuse_unsupported", "text_of", "unless_gone",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -102,6 +102,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def nucleus(temperature: float | None, top_p: float | None) -> tuple[float | None, float | None]:
+    """``temperature`` and ``top_p`` as the engine takes them: top_p 0 keeps the smallest set of
+    tokens whose mass reaches 0, the likeliest one, which is greedy decoding (both APIs allow 0)."""
+    if top_p == 0:
+        return 0.0, None
+    return temperature, top_p
+
+
+def refuse_unsupported(names: list[str]) -> None:
+    """A 400 naming the first of ``names``: fields the APIs define that this server does not serve."""
+    if names:
+        raise ApiError(
+            400, f"{names[0]} is not supported by this server; leave it out", param=names[0],
+            code="unsupported_parameter",
+        )  # fmt: skip
+
+
 def check_common(body: _Sampling) -> None:
     """Refuse what neither API route serves."""
     if body.n != 1:
@@ -135,12 +152,11 @@ def openai_sampling(
             if not -100 <= value <= 100:
                 raise ApiError(400, f"logit_bias values lie in [-100, 100], got {value}", param="logit_bias")
             bias[int(key)] = value
-    # top_p 0 keeps the smallest set of tokens whose mass reaches 0: the likeliest one, greedy
-    greedy = body.top_p == 0
+    temperature, top_p = nucleus(body.temperature, body.top_p)
     stop = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]  # "": none
     fields = {
-        "temperature": 0.0 if greedy else body.temperature,
-        "top_p": None if greedy else body.top_p,
+        "temperature": temperature,
+        "top_p": top_p,
         "top_k": body.top_k if body.top_k and body.top_k > 0 else None,
         "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
@@ -178,9 +194,17 @@ async def chat_prompt(
     """The prompt text of OpenAI-shaped messages (and tools) under the model's chat template."""
     plain: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
+        if m.audio is not None:
+            refuse_unsupported([f"messages[{i}].audio"])
+        if m.function_call is not None:
+            raise ApiError(
+                400, "function_call is OpenAI's deprecated shape of tool_calls: send tool_calls",
+                param=f"messages[{i}].function_call", code="unsupported_parameter",
+            )  # fmt: skip
+        content = m.content if m.content or m.refusal is None else m.refusal
         msg: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
-            "content": text_of(m.content, f"messages[{i}].content"),
+            "content": text_of(content, f"messages[{i}].content"),
         }
         if m.tool_calls:
             msg["tool_calls"] = m.tool_calls

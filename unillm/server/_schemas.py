@@ -71,6 +71,9 @@ class ChatMessageIn(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant turn that refused: its text stands as the content
+    audio: dict[str, Any] | None = None  # an earlier audio answer: refused (no audio here)
+    function_call: dict[str, Any] | None = None  # the deprecated shape of tool_calls: refused
 
 
 class ChatRequest(_Sampling):
@@ -86,6 +89,26 @@ class ChatRequest(_Sampling):
     function_call: str | dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
+    # hints for OpenAI's own service, accepted and without effect here (docs/server.md)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    # OpenAI's, valid, not served by a local engine: refused as unsupported_parameter when given
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    def unsupported(self) -> list[str]:
+        """The fields given that this server cannot honour (``modalities`` only text is)."""
+        given = [n for n in ("audio", "prediction", "verbosity", "web_search_options", "reasoning_effort")
+                 if getattr(self, n) is not None]  # fmt: skip
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            given.append("modalities")
+        return given
 
 
 class CompletionRequest(_Sampling):
@@ -148,7 +171,7 @@ class MessagesRequest(_Body):
     system: str | list[AnthropicBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the likeliest token only
     top_k: int | None = Field(default=None, ge=1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
@@ -156,10 +179,20 @@ class MessagesRequest(_Body):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     service_tier: str | None = None
+    # hints for Anthropic's own service, accepted and without effect here (the engines' prefix
+    # caches reuse a repeated prompt by themselves)
+    cache_control: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    # Anthropic's, valid, not served here: refused as unsupported_parameter when given
+    container: Any = None
+    output_config: dict[str, Any] | None = None
 
 
 class CountTokensRequest(_Body):
     """``/v1/messages/count_tokens``: what a Messages request's prompt would be, without sampling."""
+
+    cache_control: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)

@@ -545,6 +545,9 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._llm.detokenize(list(ids), special=True).decode("utf-8", "replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes(self._llm.detokenize([token_id], special=True))  # llama.cpp's piece is bytes
+
     # ---- kv_stats ----
 
     def kv_stats(self) -> KVStats:

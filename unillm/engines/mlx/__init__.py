@@ -36,6 +36,7 @@ from unillm.backend import (
     check_prompt,
     eos_from_hf_dir,
     hf_chat_template,
+    hf_token_bytes,
     installed,
     kv_bytes_per_token,
     resolve_context,
@@ -472,6 +473,9 @@ class MLXEngine(Engine[MLXOptions]):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return hf_token_bytes(self._tokenizer, token_id)
 
     # ---- kv_stats ----
 

@@ -72,6 +72,7 @@ from unillm.backend import (
     eos_from_hf_dir,
     gpu_present,
     hf_chat_template,
+    hf_token_bytes,
     host_loop,
     read_tools,
     template_message,
@@ -420,6 +421,10 @@ class VLLMEngine(Engine[VLLMOptions]):
     def detokenize(self, ids: Sequence[int]) -> str:
         self._running()
         return str(self._tok.decode(list(ids)))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        self._running()
+        return hf_token_bytes(self._tok, token_id)
 
     # ---- kv_stats ----
 
