@@ -246,6 +246,23 @@ LONG = "hello " * (CONTEXT + 100)
 
 
 @needs_llama_cpp
+def test_n_choices_are_each_the_answer_one_request_with_its_seed_gets(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": ALIAS, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.9,
+                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    three = oai.completions.create(**kw, n=3, seed=7)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    alone = [oai.completions.create(**kw, seed=7 + i) for i in range(3)]
+    assert [c.text for c in three.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in three.choices}) > 1  # three seeds, three samples
+    assert three.usage is not None and alone[0].usage is not None
+    assert three.usage.completion_tokens == 24
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens  # the prompt counted once
+    chat = oai.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=8, n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize(
     ("call", "error", "param"),
     [
@@ -253,7 +270,7 @@ LONG = "hello " * (CONTEXT + 100)
         ({"extra_body": {"frobnicate": 1}}, openai.BadRequestError, "frobnicate"),
         ({"top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),  # without logprobs: true
         ({"tools": [TOOL]}, openai.BadRequestError, "tools"),
-        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"n": 2, "stream": True}, openai.BadRequestError, "n"),
         ({"response_format": BOUNDED}, openai.BadRequestError, "response_format"),
         ({"response_format": NO_SCHEMA}, openai.BadRequestError, "response_format"),
         ({"messages": [{"role": "user", "content": LONG}]}, openai.BadRequestError, None),
@@ -261,8 +278,8 @@ LONG = "hello " * (CONTEXT + 100)
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),
         ({"model": "no-such-model", "stream": True}, openai.NotFoundError, "model"),
     ],
-    ids=["max_tokens", "unknown-field", "top_logprobs", "tools", "n", "unenforced-schema", "bad-schema",
-         "context", "context-streamed",
+    ids=["max_tokens", "unknown-field", "top_logprobs", "tools", "n-streamed", "unenforced-schema",
+         "bad-schema", "context", "context-streamed",
          "unknown-model", "unknown-model-streamed"],
 )  # fmt: skip
 def test_refusals_raise_the_clients_exception_classes(

@@ -108,8 +108,8 @@ def _normalise(op_id: str, body: dict[str, Any]) -> dict[str, Any]:
         body.pop(key, None)
     if "model" in body or op_id in UNSERVED:
         body["model"] = MODEL
-    if "n" in body:
-        body["n"] = 1  # one choice per request: n above 1 is not served yet (issue 30)
+    if "n" in body and body.get("stream") is True:
+        body["n"] = 1  # a stream carries one choice: n above 1 is served without stream only
     if op_id == "createCompletion" and isinstance(body.get("prompt"), list) and len(body["prompt"]) > 1:
         first = body["prompt"][0]
         if isinstance(first, (str, list)):  # a batch of prompts: not served yet (issue 30)

@@ -8,6 +8,7 @@ per request (the JSON encoder runs on the token text only).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,7 +21,7 @@ from unillm._chat._tools import ToolCallParseError, ToolSpec, openai_tool_call, 
 from unillm._contract._engine import forced_params
 from unillm._contract._run import afold
 from unillm._errors import ConfigError
-from unillm._types import Chunk
+from unillm._types import Chunk, Usage
 from unillm.server._errors import ApiError
 from unillm.server._generate import stream
 from unillm.server._openai_logprobs import chat_logprobs, completion_logprobs
@@ -41,7 +42,7 @@ from unillm.server._schemas import ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
-    from unillm._types import Completion, SamplingParams, Usage
+    from unillm._types import Completion, SamplingParams
 
 __all__ = ["router"]
 
@@ -88,9 +89,25 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=k, lora=record.adapter)
     if tools is not None:
         params = _forced(engine, params, tools)
-    chunks = stream(state, slot, engine, prompt, params, record)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs
+    if body.n > 1:
+        if tools is not None:
+            raise ApiError(400, f"n is {body.n}: a chat with tools returns one choice",
+                           param="n", code="unsupported_value")  # fmt: skip
+        answers = await _choices(request, state, slot, engine, prompt, params, record, body.n)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": done.text, "refusal": None},
+                "logprobs": chat_logprobs(engine, done) if want_lp else None,
+                "finish_reason": _finish(done.finish_reason),
+                "stop_reason": done.stop_sequence,
+            }
+            for i, done in enumerate(answers)
+        ]
+        return _whole(cid, "chat.completion", created, slot.alias, choices, _summed(answers))
+    chunks = stream(state, slot, engine, prompt, params, record)
     if tools is not None:
         done = await unless_gone(request, afold(chunks))
         return _tool_answer(engine, body, tools, done, cid, created, slot.alias)
@@ -103,7 +120,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
             "finish_reason": _finish(done.finish_reason),
             "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
         }
-        return _whole(cid, "chat.completion", created, slot.alias, choice, done.usage)
+        return _whole(cid, "chat.completion", created, slot.alias, [choice], done.usage)
     head, last = _framing(cid, "chat.completion.chunk", created, slot.alias, body, '"delta":{}')
 
     def event(chunk: Chunk) -> str:
@@ -129,19 +146,22 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = openai_sampling(
         state, engine, slot.alias, body, body.max_tokens, logprobs=body.logprobs, lora=record.adapter
     )
-    chunks = stream(state, slot, engine, prompt, params, record)
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs is not None
     if not body.stream:
-        done = await unless_gone(request, afold(chunks))
-        choice = {
-            "index": 0,
-            "text": done.text,
-            "logprobs": completion_logprobs(engine, done) if want_lp else None,
-            "finish_reason": _finish(done.finish_reason),
-            "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
-        }
-        return _whole(cid, "text_completion", created, slot.alias, choice, done.usage)
+        answers = await _choices(request, state, slot, engine, prompt, params, record, body.n)
+        choices = [
+            {
+                "index": i,
+                "text": done.text,
+                "logprobs": completion_logprobs(engine, done) if want_lp else None,
+                "finish_reason": _finish(done.finish_reason),
+                "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
+            }
+            for i, done in enumerate(answers)
+        ]
+        return _whole(cid, "text_completion", created, slot.alias, choices, _summed(answers))
+    chunks = stream(state, slot, engine, prompt, params, record)
     head, last = _framing(cid, "text_completion", created, slot.alias, body, '"text":""')
 
     sent = [0]  # text sent so far: where the next chunk's tokens start
@@ -199,7 +219,7 @@ def _tool_answer(
             "finish_reason": finish,
             "stop_reason": None,
         }
-        return _whole(cid, "chat.completion", created, alias, choice, done.usage)
+        return _whole(cid, "chat.completion", created, alias, [choice], done.usage)
     head, last = _framing(cid, "chat.completion.chunk", created, alias, body, '"delta":{}')
 
     def delta(fields: dict[str, Any], logprobs: Any = None) -> str:
@@ -218,11 +238,49 @@ def _tool_answer(
 
 
 def _whole(
-    cid: str, obj: str, created: int, alias: str, choice: dict[str, Any], usage: Usage
+    cid: str, obj: str, created: int, alias: str, choices: list[dict[str, Any]], usage: Usage
 ) -> JSONResponse:
     """A whole (non-streamed) answer."""
-    body = {"id": cid, "object": obj, "created": created, "model": alias, "choices": [choice]}
+    body = {"id": cid, "object": obj, "created": created, "model": alias, "choices": choices}
     return JSONResponse({**body, "usage": usage_json(usage)})
+
+
+async def _choices(
+    request: Request,
+    state: Any,
+    slot: Any,
+    engine: Engine[Any],
+    prompt: Any,
+    params: SamplingParams,
+    record: Any,
+    n: int,
+) -> list[Completion]:
+    """``n`` answers to one prompt, generated side by side (each a request of its own to the
+    engine, which batches them where it batches). With a ``seed``, choice i samples with seed + i,
+    so each choice is the answer one request with that seed gets; the others then stop too when
+    one fails or the client leaves."""
+    if n == 1:
+        return [await unless_gone(request, afold(stream(state, slot, engine, prompt, params, record)))]
+    runs = [
+        params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
+        for i in range(n)
+    ]
+    work = asyncio.gather(*(afold(stream(state, slot, engine, prompt, p, record)) for p in runs))
+    try:
+        return list(await unless_gone(request, work))
+    except BaseException:
+        work.cancel()
+        raise
+
+
+def _summed(answers: list[Completion]) -> Usage:
+    """The usage of ``n`` choices: the prompt once, every choice's tokens."""
+    first = answers[0].usage
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(a.usage.completion_tokens for a in answers),
+        cached_prompt_tokens=first.cached_prompt_tokens,
+    )
 
 
 def _framing(cid: str, obj: str, created: int, alias: str, body: Any, empty: str) -> tuple[str, Any]:

@@ -121,10 +121,11 @@ def refuse_unsupported(names: list[str]) -> None:
 
 def check_common(body: _Sampling) -> None:
     """Refuse what neither API route serves."""
-    if body.n != 1:
+    if body.n != 1 and body.stream:
         raise ApiError(
             400,
-            f"n is {body.n}: this server returns one choice per request",
+            f"n is {body.n} with stream: a stream carries one choice here (n above 1 is served "
+            "without stream)",
             param="n",
             code="unsupported_value",
         )
