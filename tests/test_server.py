@@ -477,7 +477,7 @@ def test_what_the_specs_allow_is_accepted_and_answered_in_their_shapes(server: S
         ({**comp, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"model": ALIAS, "max_tokens": 4}, "prompt", "missing_required_parameter"),
         ({**comp, "suffix": "x"}, "suffix", "unsupported_parameter"),
-        ({**comp, "n": 2}, "n", "unsupported_value"),
+        ({**comp, "n": 2, "stream": True}, "n", "unsupported_value"),  # a stream carries one choice
         ({**comp, "temperature": 9}, "temperature", "invalid_value"),
     ):
         r = httpx.post(v1 + "/completions", json=body, timeout=60)

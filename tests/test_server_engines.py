@@ -300,7 +300,7 @@ def test_errors_reach_the_client_as_its_exceptions(setup: Setup) -> None:
         client.completions.create(model="tiny", prompt="x", max_tokens=CONTEXT + 1)
     assert big.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as n:
-        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2)
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, stream=True)
     assert n.value.param == "n"
     with pytest.raises(openai.BadRequestError) as tl:  # alternatives need logprobs: true
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, top_logprobs=2)

@@ -39,7 +39,7 @@ from unillm._errors import (
     UnillmError,
     UnsupportedParameter,
 )
-from unillm.server._pool import Busy, UnknownModel
+from unillm.server._pool import Busy, ShuttingDown, UnknownModel
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -95,6 +95,8 @@ def to_api_error(exc: BaseException, paths: dict[str, str] | None = None) -> Api
     msg = public_message(exc, paths)
     if isinstance(exc, UnknownModel):
         return ApiError(404, msg, param="model", code="model_not_found")
+    if isinstance(exc, ShuttingDown):
+        return shutting_down()
     if isinstance(exc, Busy):
         retry = {"Retry-After": str(exc.retry_after_s)}
         return ApiError(429, msg, type_="rate_limit_error", code="rate_limit_exceeded", headers=retry)
@@ -123,7 +125,7 @@ def anthropic_type(status: int) -> str:
 def shutting_down() -> ApiError:
     """The answer to a request that arrives, waits or still runs once the server is stopping."""
     return ApiError(
-        503, "the server is shutting down; retry in a moment (on another instance, or once it is back)",
+        503, str(ShuttingDown()),
         type_="server_error", code="server_shutting_down",
         headers={"Retry-After": "5", "Connection": "close"},
     )  # fmt: skip

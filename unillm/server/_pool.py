@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from unillm._types import EngineConfig
     from unillm.server._config import ModelSpec, ServerConfig
 
-__all__ = ["Admission", "Busy", "Pool", "Slot", "UnknownModel"]
+__all__ = ["Admission", "Busy", "Pool", "ShuttingDown", "Slot", "UnknownModel"]
 
 log = logging.getLogger("unillm.server")
 
@@ -66,6 +66,15 @@ class Busy(UnillmError):
         super().__init__(message)
 
 
+class ShuttingDown(UnillmError):
+    """The server is shutting down: a request that waits or arrives now is answered 503."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the server is shutting down; retry in a moment (on another instance, or once it is back)"
+        )
+
+
 class Admission:
     """At most ``running`` requests at once; up to ``queue`` more wait in arrival order."""
 
@@ -83,10 +92,8 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self, alias: str) -> AsyncIterator[None]:
-        from unillm.server._errors import shutting_down
-
         if self._closed.is_set():
-            raise shutting_down()
+            raise ShuttingDown()
         if self._free.locked() and self.waiting >= self.queue:
             raise Busy(
                 f"{alias!r} has {self.running} requests running and {self.waiting} waiting (the most "
@@ -109,14 +116,12 @@ class Admission:
 
     async def _wait(self) -> None:
         """Wait for a free place in arrival order, or for the shutdown (then a 503)."""
-        from unillm.server._errors import shutting_down
-
         acquire = asyncio.ensure_future(self._free.acquire())
         closed = asyncio.ensure_future(self._closed.wait())
         try:
             await asyncio.wait((acquire, closed), return_when=asyncio.FIRST_COMPLETED)
             if self._closed.is_set():
-                raise shutting_down()
+                raise ShuttingDown()
         except BaseException:  # cancelled (the client left) or refused: give back a place taken
             if acquire.done() and not acquire.cancelled():
                 self._free.release()

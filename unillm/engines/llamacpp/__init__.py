@@ -276,11 +276,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             to_id=self._one_token,
             vocab_size=self._n_vocab,
         )
-        self._bos_text = (
-            llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
-            if llm.token_bos() >= 0
-            else ""
-        )
+        bos = llm.token_bos()
+        self._bos_text = llm.detokenize([bos], special=True).decode("utf-8", "replace") if bos >= 0 else ""
         self._perf = llama_cpp.llama_perf_context
         self._perf_reset = llama_cpp.llama_perf_context_reset
         self._pieces: dict[int, bytes] = {}  # token -> its bytes
