@@ -6,9 +6,11 @@ some reading nothing at all; what is lost, how memory moves, and whether /metric
 The server runs the tiny bench model (built if missing) unless ``--model`` names another. Each of
 ``--clients`` clients sends streaming completions one after another: most read to ``[DONE]``,
 ``--cut`` of them hang up after a few events, and ``--stall`` of them stop reading after the first
-event (the server's ``write_timeout_s``, set to 5 s here, must cut those off). A request is **lost**
-when it is none of: read whole (``[DONE]`` after a finish reason), hung up by its client, cut off
-by the server for stalling, or refused in the protocol (429/503 JSON). The server's RSS is sampled
+event for longer than the server's ``write_timeout_s`` (5 s here): the server cuts off one whose
+answer outgrew the connection's buffers, and one that fit is found whole when the client reads on.
+A request is **lost** when it is none of: read whole (``[DONE]`` after a finish reason, read at
+once or after the stall), hung up by its client, cut off by the server for stalling, or refused in
+the protocol (429/503 JSON). The server's RSS is sampled
 every 10 s. At the end the client's counts are set beside the server's /metrics. Results go to
 ``benchmarks/results-server-soak.json`` with the machine they were measured on.
 """
@@ -22,6 +24,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +37,10 @@ import httpx
 from _common import ROOT, checkout_unillm, machine
 
 RESULTS = ROOT / "benchmarks" / "results-server-soak.json"
+WRITE_TIMEOUT_S = 5
+# how long a stalling client stops reading: past the write timeout, counted from when the buffers
+# are full, which a large answer reaches only after some seconds of generation
+STALL_S = 60
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -59,11 +66,20 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Random) -> str:
-    body = {"model": "soak", "prompt": f"Soak {rng.randrange(10**6)}", "temperature": 0.8,
-            "max_tokens": rng.choice([16, 64, 256]), "stream": True, "ignore_eos": True}  # fmt: skip
-    events = 0
+    path, body = "/v1/completions", {
+        "model": "soak", "prompt": f"Soak {rng.randrange(10**6)}", "temperature": 0.8,
+        "max_tokens": rng.choice([16, 64, 256]), "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    if kind == "stall" and rng.random() < 0.5:
+        # half of them an answer of several MB (20 alternatives a token), more than the loopback's
+        # buffers hold: the server must cut it off
+        path, body = "/v1/chat/completions", {
+            "model": "soak", "messages": [{"role": "user", "content": body["prompt"]}], "temperature": 0.8,
+            "max_tokens": 1900, "stream": True, "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
+        }  # fmt: skip
+    events, stalled = 0, False
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        async with client.stream("POST", url + path, json=body) as resp:
             if resp.status_code in (429, 503):
                 return "refused"
             if resp.status_code != 200:
@@ -76,31 +92,42 @@ async def _one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Rando
                 if kind == "cut" and events == 3:
                     return "cut by client"
                 if kind == "stall" and events == 1:
-                    await asyncio.sleep(3600)  # stop reading: the server must cut this one off
+                    # stop reading past the write timeout: an answer larger than the connection's
+                    # buffers is cut off by the server; a smaller one is already all in them
+                    await asyncio.sleep(STALL_S)
+                    stalled = True
                 if line == "data: [DONE]":
-                    return "whole" if finished else "done without a finish"
+                    if not finished:
+                        return "done without a finish"
+                    return "delivered while unread" if stalled else "whole"
                 event = json.loads(line[6:])
                 if "error" in event:
                     return "error event"
                 if any(c.get("finish_reason") for c in event.get("choices", ())):
                     finished = True
             return "cut by server" if kind == "stall" else "ended early"
-    except (httpx.RemoteProtocolError, httpx.ReadError):
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout):
         return "cut by server" if kind == "stall" else "connection lost"
 
 
 async def _client(url: str, until: float, seed: int, cut: float, stall: float, out: Counter[str]) -> None:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120, read=600)) as client:
+    timeout = httpx.Timeout(120, read=600)
+    # a stalling client's socket takes 4 KiB at a time, so what it leaves unread stays with the server
+    small = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+    async with (
+        httpx.AsyncClient(timeout=timeout) as client,
+        httpx.AsyncClient(timeout=timeout, transport=small) as slow,
+    ):
         while time.monotonic() < until:
             roll = rng.random()
             kind = "stall" if roll < stall else "cut" if roll < stall + cut else "whole"
-            task = asyncio.ensure_future(_one(client, url, kind, rng))
+            task = asyncio.ensure_future(_one(slow if kind == "stall" else client, url, kind, rng))
             try:
-                # a stalled client is cut off within write_timeout_s plus the buffers' filling
-                got = await asyncio.wait_for(task, 120 if kind == "stall" else 600)
+                # a bound on a hang, far past a stall and a whole answer here
+                got = await asyncio.wait_for(task, 600)
             except TimeoutError:
-                got = "stall never cut off" if kind == "stall" else "timed out"
+                got = "no end within 600 s"
             out[(kind, got)] += 1  # type: ignore[index]
 
 
@@ -138,7 +165,7 @@ def main() -> None:
     cmd, env = checkout_unillm()
     log = Path(tempfile.mkdtemp(prefix="unillm-soak-")) / "server.log"
     argv = [*cmd, "serve", model, "--alias", "soak", "--port", "0", "--context", "2048",
-            "--write-timeout", "5", "--max-queue", str(args.clients)]  # fmt: skip
+            "--write-timeout", str(WRITE_TIMEOUT_S), "--max-queue", str(args.clients)]  # fmt: skip
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                 start_new_session=True)  # fmt: skip
@@ -163,7 +190,7 @@ def main() -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
     outcomes: dict[str, int] = result["outcomes"]
-    expected = ("whole: whole", "cut: cut by client", "stall: cut by server")
+    expected = ("whole: whole", "cut: cut by client", "stall: cut by server", "stall: delivered while unread")
     lost = sum(n for k, n in outcomes.items() if k not in expected and not k.endswith(": refused"))
     server = {
         name: _sum(after, metric, **labels) - _sum(before, metric, **labels)
@@ -178,7 +205,7 @@ def main() -> None:
     rss = result["rss_kib"]
     report = {
         "machine": machine("llama-cpp-python"),
-        "settings": vars(args) | {"model": model, "write_timeout_s": 5},
+        "settings": vars(args) | {"model": model, "write_timeout_s": WRITE_TIMEOUT_S, "stall_s": STALL_S},
         "client": outcomes,
         "lost": lost,
         "server_metrics": server,
