@@ -91,10 +91,13 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         params = _forced(engine, params, tools)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs
-    if body.n > 1:
-        if tools is not None:
+    if tools is not None:
+        if body.n > 1:
             raise ApiError(400, f"n is {body.n}: a chat with tools returns one choice",
                            param="n", code="unsupported_value")  # fmt: skip
+        done = await unless_gone(request, afold(stream(state, slot, engine, prompt, params, record)))
+        return _tool_answer(engine, body, tools, done, cid, created, slot.alias)
+    if not body.stream:
         answers = await _choices(request, state, slot, engine, prompt, params, record, body.n)
         choices = [
             {
@@ -102,25 +105,12 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
                 "message": {"role": "assistant", "content": done.text, "refusal": None},
                 "logprobs": chat_logprobs(engine, done) if want_lp else None,
                 "finish_reason": _finish(done.finish_reason),
-                "stop_reason": done.stop_sequence,
+                "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
             }
             for i, done in enumerate(answers)
         ]
         return _whole(cid, "chat.completion", created, slot.alias, choices, _summed(answers))
     chunks = stream(state, slot, engine, prompt, params, record)
-    if tools is not None:
-        done = await unless_gone(request, afold(chunks))
-        return _tool_answer(engine, body, tools, done, cid, created, slot.alias)
-    if not body.stream:
-        done = await unless_gone(request, afold(chunks))
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": done.text, "refusal": None},
-            "logprobs": chat_logprobs(engine, done) if want_lp else None,
-            "finish_reason": _finish(done.finish_reason),
-            "stop_reason": done.stop_sequence,  # vLLM's field: the stop string that ended it
-        }
-        return _whole(cid, "chat.completion", created, slot.alias, [choice], done.usage)
     head, last = _framing(cid, "chat.completion.chunk", created, slot.alias, body, '"delta":{}')
 
     def event(chunk: Chunk) -> str:
@@ -274,8 +264,11 @@ async def _choices(
 
 
 def _summed(answers: list[Completion]) -> Usage:
-    """The usage of ``n`` choices: the prompt once, every choice's tokens."""
+    """The usage of ``n`` choices: the prompt once, every choice's tokens (one choice: its own,
+    speculative decoding's counts included)."""
     first = answers[0].usage
+    if len(answers) == 1:
+        return first
     return Usage(
         prompt_tokens=first.prompt_tokens,
         completion_tokens=sum(a.usage.completion_tokens for a in answers),
