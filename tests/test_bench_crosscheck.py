@@ -74,22 +74,34 @@ def both(loadgen_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
         res, *_ = cc.run_unillm(
             srv.root, prompts, model.hf_dir, CONCURRENCY, REQUESTS, OUTPUT_LEN, tmp / "unillm"
         )
-        rep, *_ = cc.run_guidellm(
-            cc.guidellm_bin(loadgen_python),
-            srv.root,
-            prompts,
-            model.hf_dir,
-            CONCURRENCY,
-            REQUESTS,
-            tmp / "guidellm.json",
-        )
-    return {"unillm": cc.unillm_figures(res), "guidellm": cc.guidellm_figures(rep)}
+        # guidellm 0.8 now and then ends a run one request short with no error (its scheduler
+        # cancels a request while stopping: a race its tracker knows, vllm-project/guidellm#1049
+        # and #1152; seen once in CI here, never in a run by hand). Such a run says nothing about unillm's
+        # counts, so it is run again, at most twice; the short runs are kept for the report.
+        short: list[dict[str, Any]] = []
+        for attempt in range(3):
+            rep, *_ = cc.run_guidellm(
+                cc.guidellm_bin(loadgen_python),
+                srv.root,
+                prompts,
+                model.hf_dir,
+                CONCURRENCY,
+                REQUESTS,
+                tmp / f"guidellm-{attempt}.json",
+            )
+            totals = rep["benchmarks"][0]["metrics"].get("request_totals") or {}
+            if totals.get("successful") == REQUESTS or totals.get("errored"):
+                break
+            short.append(totals)
+    figures = cc.guidellm_figures(rep)
+    figures["short_runs"] = short
+    return {"unillm": cc.unillm_figures(res), "guidellm": figures}
 
 
 def test_request_counts_agree_exactly(both: dict[str, Any]) -> None:
     u, g = both["unillm"], both["guidellm"]["own"]
     assert u["errors"] == {} and not g["errors"]
-    assert u["requests_completed"] == g["requests_completed"] == REQUESTS
+    assert u["requests_completed"] == g["requests_completed"] == REQUESTS, both["guidellm"]["short_runs"]
 
 
 def test_guidellm_counts_what_the_server_generated(both: dict[str, Any]) -> None:
