@@ -263,6 +263,99 @@ def test_n_choices_are_each_the_answer_one_request_with_its_seed_gets(oai: opena
 
 
 @needs_llama_cpp
+def test_a_batch_of_prompts_with_n_choices_streamed_or_not(server: Server, oai: openai.OpenAI) -> None:
+    """Choice i * n + j is prompt i's j-th (OpenAI's numbering); a stream interleaves them, each
+    ending on its own finish event, the usage once after the last; the same seeds give the same
+    texts either way, and each prompt is counted once. One prompt refused refuses the batch, and
+    leaves nothing of it running."""
+    prompts = [PROMPT, "The sky", "A"]
+    kw: dict[str, Any] = {"model": ALIAS, "max_tokens": 6, "temperature": 0.9, "seed": 3,
+                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = oai.completions.create(**kw, prompt=prompts, n=2)  # type: ignore[arg-type]
+    assert [c.index for c in whole.choices] == list(range(6))
+    alone = [oai.completions.create(**kw, prompt=p, n=2) for p in prompts]  # type: ignore[arg-type]
+    assert [c.text for c in whole.choices] == [c.text for a in alone for c in a.choices]
+    assert whole.usage is not None and all(a.usage is not None for a in alone)
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+    assert whole.usage.completion_tokens == 6 * 6
+
+    texts, finishes, usages = [""] * 6, [0] * 6, []
+    events = oai.completions.create(
+        **kw, prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}
+    )  # type: ignore[arg-type]
+    for event in events:
+        if event.usage is not None:
+            assert not finishes.count(0), "the usage comes after every choice has finished"
+            usages.append(event.usage)
+        for c in event.choices:
+            texts[c.index] += c.text
+            finishes[c.index] += c.finish_reason is not None
+    assert texts == [c.text for c in whole.choices] and finishes == [1] * 6
+    assert len(usages) == 1 and usages[0].total_tokens == whole.usage.total_tokens
+
+    chat = {"model": ALIAS, "messages": MESSAGES, "max_tokens": 6, "temperature": 0.9, "seed": 5, "n": 3}
+    answers = oai.chat.completions.create(**chat)  # type: ignore[call-overload]
+    got = [""] * 3
+    for event in oai.chat.completions.create(**chat, stream=True):  # type: ignore[call-overload]
+        for c in event.choices:
+            got[c.index] += c.delta.content or ""
+    assert got == [c.message.content for c in answers.choices]
+
+    for stream in (False, True):
+        batch = {"model": ALIAS, "prompt": [PROMPT, "word " * (2 * CONTEXT)], "max_tokens": 200,
+                 "ignore_eos": True, "stream": stream}  # fmt: skip
+        r = httpx.post(server.v1 + "/completions", json=batch, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        wait_until(lambda: metric(metrics(server.url), "unillm:num_requests_running", **LLAMA) == 0, 10,
+                   "the batch's other prompt to stop")  # fmt: skip
+
+
+@needs_llama_cpp
+def test_echo_best_of_and_max_tokens_zero_do_what_openai_does(oai: openai.OpenAI, engine: Any) -> None:
+    """echo puts the prompt before the answer (a token-id prompt detokenized); max_tokens 0 counts
+    the prompt and generates nothing; best_of n picks the candidate of the highest mean log
+    probability among those n seeds give, and the usage counts every candidate."""
+    kw: dict[str, Any] = {"model": ALIAS, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    plain = oai.completions.create(**kw).choices[0].text
+    assert oai.completions.create(**kw, echo=True).choices[0].text == PROMPT + plain
+    ids = engine.tokenize(PROMPT)
+    echoed = oai.completions.create(**{**kw, "prompt": ids}, echo=True).choices[0].text
+    assert echoed == engine.detokenize(ids) + plain
+    streamed = "".join(
+        e.choices[0].text for e in oai.completions.create(**kw, echo=True, stream=True) if e.choices
+    )
+    assert streamed == PROMPT + plain
+
+    for echo in (False, True):
+        zero = oai.completions.create(**{**kw, "max_tokens": 0}, echo=echo)
+        assert zero.choices[0].text == (PROMPT if echo else "") and zero.choices[0].finish_reason == "length"
+        assert zero.usage is not None and (zero.usage.prompt_tokens, zero.usage.completion_tokens) == (
+            len(ids),
+            0,
+        )
+        events = list(oai.completions.create(**{**kw, "max_tokens": 0}, echo=echo, stream=True))
+        assert "".join(c.text for e in events for c in e.choices) == (PROMPT if echo else "")
+
+    sampled = {**kw, "temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    three = oai.completions.create(**sampled, n=3, logprobs=0)
+    means = [sum(c.logprobs.token_logprobs) / 6 for c in three.choices]  # type: ignore[union-attr]
+    assert len({c.text for c in three.choices}) > 1  # three candidates to choose from
+    best = oai.completions.create(**sampled, best_of=3)
+    assert [c.text for c in best.choices] == [three.choices[means.index(max(means))].text]
+    assert best.choices[0].logprobs is None  # ranked by them, not asked for them
+    assert best.usage is not None and best.usage.completion_tokens == 18  # all three generated
+    two = oai.completions.create(**sampled, best_of=3, n=2)
+    ranked = sorted(range(3), key=lambda i: -means[i])[:2]
+    assert [c.text for c in two.choices] == [three.choices[i].text for i in ranked]
+
+    assert oai.completions.create(**{**kw, "prompt": None}).choices[0].finish_reason is not None  # type: ignore[arg-type]
+    assert (
+        oai.completions.create(**{**kw, "prompt": [""]}).choices[0].text
+        == oai.completions.create(**{**kw, "prompt": ""}).choices[0].text
+    )
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize(
     ("call", "error", "param"),
     [
@@ -270,7 +363,6 @@ def test_n_choices_are_each_the_answer_one_request_with_its_seed_gets(oai: opena
         ({"extra_body": {"frobnicate": 1}}, openai.BadRequestError, "frobnicate"),
         ({"top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),  # without logprobs: true
         ({"tools": [TOOL]}, openai.BadRequestError, "tools"),
-        ({"n": 2, "stream": True}, openai.BadRequestError, "n"),
         ({"response_format": BOUNDED}, openai.BadRequestError, "response_format"),
         ({"response_format": NO_SCHEMA}, openai.BadRequestError, "response_format"),
         ({"messages": [{"role": "user", "content": LONG}]}, openai.BadRequestError, None),
@@ -278,7 +370,7 @@ def test_n_choices_are_each_the_answer_one_request_with_its_seed_gets(oai: opena
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),
         ({"model": "no-such-model", "stream": True}, openai.NotFoundError, "model"),
     ],
-    ids=["max_tokens", "unknown-field", "top_logprobs", "tools", "n-streamed", "unenforced-schema",
+    ids=["max_tokens", "unknown-field", "top_logprobs", "tools", "unenforced-schema",
          "bad-schema", "context", "context-streamed",
          "unknown-model", "unknown-model-streamed"],
 )  # fmt: skip
@@ -476,8 +568,12 @@ def test_what_the_specs_allow_is_accepted_and_answered_in_their_shapes(server: S
         ({**comp, "logprobs": True}, "logprobs", "invalid_value"),
         ({**comp, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"model": ALIAS, "max_tokens": 4}, "prompt", "missing_required_parameter"),
-        ({**comp, "suffix": "x"}, "suffix", "unsupported_parameter"),
-        ({**comp, "n": 2, "stream": True}, "n", "unsupported_value"),  # a stream carries one choice
+        ({**comp, "suffix": "x"}, "suffix", "unsupported_value"),  # the tiny model has no FIM tokens
+        ({**comp, "echo": True, "logprobs": 0}, "echo", "unsupported_value"),  # the prompt's: not reported
+        ({**comp, "n": 2, "best_of": 1}, "best_of", "invalid_value"),
+        ({**comp, "best_of": 2, "stream": True}, "best_of", "invalid_value"),  # as OpenAI: ranks whole ones
+        ({**comp, "prompt": []}, "prompt", "invalid_value"),
+        ({**comp, "prompt": [PROMPT] * 65, "best_of": 2}, "prompt", "invalid_value"),  # 130 generations
         ({**comp, "temperature": 9}, "temperature", "invalid_value"),
     ):
         r = httpx.post(v1 + "/completions", json=body, timeout=60)

@@ -264,7 +264,7 @@ def test_vllm_self_draft_gives_the_same_greedy_tokens(tiny: TinyModel, other_voc
 
 def test_the_openai_usage_carries_the_draft_counts_when_set() -> None:
     from unillm import Usage
-    from unillm.server._openai import usage_json
+    from unillm.server._openai_wire import usage_json
 
     assert usage_json(Usage(5, 48, 0, 41, 40))["completion_tokens_details"] == {  # type: ignore[index]
         "draft_tokens": 41,

@@ -58,12 +58,17 @@ class ToolCall:
     @classmethod
     def coerce(cls, call: Any, where: str) -> ToolCall:
         """A ``ToolCall`` from itself or OpenAI's ``{"id", "type": "function", "function":
-        {"name", "arguments"}}`` (arguments as a dict or its JSON text)."""
+        {"name", "arguments"}}`` (arguments as a dict or its JSON text); a custom tool's call
+        (``"type": "custom", "custom": {"name", "input"}``, free text) has that text as its one
+        argument, ``input``."""
         if isinstance(call, ToolCall):
             return call
         fn = call.get("function", call) if isinstance(call, Mapping) else None
         name = fn.get("name") if isinstance(fn, Mapping) else None
         args = fn.get("arguments", {}) if isinstance(fn, Mapping) else None
+        custom = call.get("custom") if isinstance(call, Mapping) and call.get("type") == "custom" else None
+        if isinstance(custom, Mapping) and isinstance(custom.get("input"), str):
+            name, args = custom.get("name"), {"input": custom["input"]}
         if isinstance(args, str):
             try:
                 args = json.loads(args)

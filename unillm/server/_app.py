@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from unillm.server import _anthropic, _openai
+from unillm.server import _anthropic, _completions, _openai
 from unillm.server._config import ServerConfig
 from unillm.server._errors import ApiError, error_response, install, shutting_down
 from unillm.server._generate import RequestRecord
@@ -59,6 +59,7 @@ def create_app(config: ServerConfig, *, pool: Pool | None = None) -> FastAPI:
     app.state.unillm = state
     install(app, state.paths)
     app.include_router(_openai.router)
+    app.include_router(_completions.router)
     app.include_router(_anthropic.router)
     _add_routes(app, state)
     app.add_middleware(Edge, state=state)

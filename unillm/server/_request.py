@@ -121,14 +121,6 @@ def refuse_unsupported(names: list[str]) -> None:
 
 def check_common(body: _Sampling) -> None:
     """Refuse what neither API route serves."""
-    if body.n != 1 and body.stream:
-        raise ApiError(
-            400,
-            f"n is {body.n} with stream: a stream carries one choice here (n above 1 is served "
-            "without stream)",
-            param="n",
-            code="unsupported_value",
-        )
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
 

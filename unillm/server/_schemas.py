@@ -112,7 +112,9 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # required, and nullable: null is OpenAI's default prompt (the start of a document)
+    prompt: str | list[int] | list[str] | list[list[int]] | None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt counted, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("logprobs", mode="before")
@@ -160,7 +162,7 @@ class AnthropicBlock(_Body):
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: an instruction among the turns
     content: str | list[AnthropicBlock]
 
 
