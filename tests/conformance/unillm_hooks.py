@@ -18,6 +18,7 @@ import schemathesis
 import yaml
 
 MODEL = os.environ.get("UNILLM_CONFORMANCE_MODEL", "tiny")
+VOCAB = 512  # token ids below this are the tiny model's
 
 # operation id -> {field: why it is left out}
 UNSERVED: dict[str, dict[str, str]] = {
@@ -33,8 +34,6 @@ UNSERVED: dict[str, dict[str, str]] = {
     },
     "createCompletion": {
         "suffix": "fill-in-the-middle: the tiny model has no FIM tokens",
-        "echo": "not served yet (issue 30)",
-        "best_of": "not served yet above 1 (issue 30)",
     },
     "messages_post": {
         "container": "Anthropic's code-execution container",
@@ -100,6 +99,14 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
             _normalise(op_id, body)
 
 
+def _ids(ids: list[Any]) -> list[Any]:
+    return [abs(int(t)) % VOCAB if _number(t) else t for t in ids]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _normalise(op_id: str, body: dict[str, Any]) -> dict[str, Any]:
     top, message = _defined(op_id)
     for key in [k for k in body if top and k not in top]:
@@ -108,30 +115,43 @@ def _normalise(op_id: str, body: dict[str, Any]) -> dict[str, Any]:
         body.pop(key, None)
     if "model" in body or op_id in UNSERVED:
         body["model"] = MODEL
-    if "n" in body and body.get("stream") is True:
-        body["n"] = 1  # a stream carries one choice: n above 1 is served without stream only
-    if op_id == "createCompletion" and isinstance(body.get("prompt"), list) and len(body["prompt"]) > 1:
-        first = body["prompt"][0]
-        if isinstance(first, (str, list)):  # a batch of prompts: not served yet (issue 30)
-            body["prompt"] = first
     if op_id in ("createChatCompletion", "createCompletion") and body.get("stream") is not True:
         body.pop("stream_options", None)  # "only set this when you set stream: true": refused, as OpenAI does
     if op_id == "createCompletion":
-        if body.get("prompt") is None:
-            body["prompt"] = "Hello"  # null, the document's <|endoftext|>: not served yet (issue 30)
-        if body.get("max_tokens") == 0:
-            body["max_tokens"] = 1  # an answer of no tokens: not served yet (issue 30)
+        n, best = body.get("n"), body.get("best_of")  # JSON numbers: 61.0 is the integer 61
+        if _number(best) and (body.get("stream") is True or (_number(n) and best < n)):
+            # best_of must be at least n and cannot be streamed (OpenAI's own rules, which the
+            # document states in words only): refused as OpenAI refuses it
+            body.pop("best_of")
+        if body.get("echo") is True and body.get("logprobs") is not None:
+            # the prompt's own log probabilities: no engine here reports them (docs/server.md)
+            body.pop("echo")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 16:
+            body["prompt"] = prompt[:16]  # a batch capped for a short run (the server takes 128)
     # Anthropic's server tools run on Anthropic's side, and the tiny model's chat template renders
     # no tools, so a request with tools is refused (the model would never see them):
     # tests/test_tools.py and tests/test_server_anthropic_tools.py serve tools on templates that do
     for key in ("tools", "tool_choice", "parallel_tool_calls"):
         body.pop(key, None)
-    # a cap of the model and the server, as OpenAI's and Anthropic's own (and a short run)
+    # a cap of the model and the server, as OpenAI's and Anthropic's own (and a short run); a
+    # negative count, which the chat document does not rule out, is refused as OpenAI refuses it
     for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int) and body[key] > 8:
+        if _number(body.get(key)) and body[key] > 8:
             body[key] = 8
+        elif _number(body.get(key)) and body[key] < 0:
+            body.pop(key)
     if isinstance(body.get("logit_bias"), dict):  # keys are token ids, as OpenAI requires
-        body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if k.isdigit() and int(k) < 512}
+        body["logit_bias"] = {
+            k: max(-100, min(100, v)) if _number(v) else v  # "from -100 to 100", in the document's words
+            for k, v in body["logit_bias"].items()
+            if k.isdigit() and int(k) < VOCAB
+        }
+    prompt = body.get("prompt")
+    if op_id == "createCompletion" and isinstance(prompt, list):
+        # token ids must be the model's (OpenAI refuses others too): each taken into its vocabulary
+        body["prompt"] = [_ids(p) if isinstance(p, list) else p for p in prompt] if prompt and isinstance(
+            prompt[0], list) else _ids(prompt)  # fmt: skip
     if message and isinstance(body.get("messages"), list):
         for item in body["messages"]:
             if isinstance(item, dict):

@@ -24,7 +24,7 @@ from unillm._contract._run import afold
 from unillm._errors import ConfigError
 from unillm.server._anthropic_tools import input_json, read_anthropic_tools, tool_use_blocks, turns
 from unillm.server._errors import ApiError, anthropic_type
-from unillm.server._generate import sampling, stream
+from unillm.server._generate import nothing, sampling, stream
 from unillm.server._request import (
     dumps,
     engine_for,
@@ -102,22 +102,24 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
 async def messages(body: MessagesRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     slot, engine, prompt, tools, one_call = await _prompt(body, request)
-    stops = tuple(body.stop_sequences or ())
+    stops = tuple(s for s in body.stop_sequences or () if s)  # "": stops nothing, as OpenAI's stop
     temperature, top_p = nucleus(body.temperature, body.top_p)
     fields = {
         "temperature": temperature,
         "top_p": top_p,
-        "top_k": body.top_k,
+        "top_k": body.top_k or None,  # 0: no cut
         "stop": stops or None,
         "lora": record.adapter,
     }
-    params = sampling(engine, slot.alias, state.config.max_tokens, body.max_tokens, fields)
+    asked = body.max_tokens  # 0: the prompt counted, nothing generated (checked as for one token)
+    params = sampling(engine, slot.alias, state.config.max_tokens, asked or 1, fields)
     if tools is not None:
         try:
             params = forced_params(engine, params, tools)
         except ConfigError as exc:
             raise ApiError(400, str(exc), param="tool_choice", code="unsupported_parameter") from exc
-    chunks = stream(state, slot, engine, prompt, params, record)
+    chunks = await nothing(engine, prompt, params, echo=False) if asked == 0 else None
+    chunks = chunks or stream(state, slot, engine, prompt, params, record)
     mid = "msg_" + secrets.token_hex(12)
     if not body.stream or tools is not None:
         done = await unless_gone(request, afold(chunks))

@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from unillm._types import Chunk, Completion, Timings, Usage
+from unillm._types import Chunk, Completion
 from unillm.server._errors import ApiError
-from unillm.server._generate import fits, stream
+from unillm.server._generate import nothing, stream
 from unillm.server._openai_logprobs import completion_logprobs
 from unillm.server._openai_wire import Framing, finish_reason, folded, seeded, sse, summed, whole
 from unillm.server._request import check_common, dumps, engine_for, openai_sampling, record_of
@@ -32,7 +32,6 @@ from unillm.server._schemas import CompletionRequest
 
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
-    from unillm._params import SamplingParams
 
 __all__ = ["MAX_GENERATIONS", "router"]
 
@@ -50,7 +49,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state, record = request.app.state.unillm, record_of(request)
     check_common(body)
     prompts = _prompts(body.prompt)
-    n, best = body.n, body.best_of or body.n
+    n, best = body.n, body.best_of or body.n  # best_of 0 or null: n
     _check_counts(body, len(prompts), n, best)
     slot, engine = await engine_for(state, body.model, record)
     _check_engine(body, engine, slot.alias, best > n)
@@ -65,7 +64,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     echoes = [await _text_of(engine, p) for p in prompts] if body.echo else None
     prompts = [await _started(engine, p) for p in prompts]
     if asked == 0:
-        streams = [await _nothing(engine, p, params, body.echo) for p in prompts for _ in range(n)]
+        streams = [await nothing(engine, p, params, body.echo) for p in prompts for _ in range(n)]
         echoes = None  # the text is the echo already
     else:
         streams = [stream(state, slot, engine, p, q, record) for p in prompts for q in seeded(params, best)]
@@ -110,15 +109,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]] | None) -> list[Prompt]:
     """The request's prompts: one text, one list of token ids, or a batch of either."""
-    if prompt is None:
+    if prompt is None or (isinstance(prompt, list) and not prompt):  # [] as null: no prompt given
         return [""]
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise ApiError(
-            400, "prompt is an empty list: send a text, a list of texts, a list of token ids or a "
-            "list of such lists", param="prompt", code="invalid_value",
-        )  # fmt: skip
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     out: list[Prompt] = []
@@ -209,28 +203,3 @@ async def _text_of(engine: Engine[Any], prompt: Prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     return await asyncio.to_thread(engine.detokenize, prompt)
-
-
-async def _nothing(
-    engine: Engine[Any], prompt: Prompt, params: SamplingParams, echo: bool
-) -> AsyncGenerator[Chunk, None]:
-    """The answer of ``max_tokens: 0``: the prompt counted (and echoed when asked), no token
-    generated, finish ``length``; as a stream of one last chunk, like a generation's."""
-    await fits(engine, prompt, params)
-    if isinstance(prompt, str):
-        try:
-            ids: Sequence[int] = await asyncio.to_thread(engine.tokenize, prompt)
-        except NotImplementedError as exc:
-            raise ApiError(
-                400, f"max_tokens 0 answers with the prompt's token count, which {engine.name} cannot "
-                "count; ask for at least one token", param="max_tokens", code="unsupported_value",
-            ) from exc  # fmt: skip
-        text = prompt
-    else:
-        ids, text = prompt, await _text_of(engine, prompt)
-
-    async def one() -> AsyncGenerator[Chunk, None]:
-        usage = Usage(prompt_tokens=len(ids), completion_tokens=0)
-        yield Chunk(text if echo else "", (), "length", usage, Timings(0.0, 0.0, 0.0, 0.0, None, None))
-
-    return one()

@@ -13,16 +13,15 @@ from typing import TYPE_CHECKING, Any
 from unillm._contract._checks import check_prompt
 from unillm._contract._engine import ALWAYS_HANDLED
 from unillm._errors import ConfigError, UnsupportedParameter
-from unillm._types import SamplingParams
+from unillm._types import Chunk, SamplingParams, Timings, Usage
 from unillm.server._errors import ApiError, shutting_down
 
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
-    from unillm._types import Chunk
     from unillm.server._pool import Slot
     from unillm.server._state import State
 
-__all__ = ["RequestRecord", "fits", "sampling", "stream"]
+__all__ = ["RequestRecord", "fits", "nothing", "sampling", "stream"]
 
 
 class RequestRecord:
@@ -156,3 +155,28 @@ async def stream(
             record.finish = finish = finish or "abort"
             m.finished(finish)
             slot.last_used = time.monotonic()  # idle time counts from the end of the last request
+
+
+async def nothing(
+    engine: Engine[Any], prompt: str | list[int], params: SamplingParams, echo: bool
+) -> AsyncGenerator[Chunk, None]:
+    """The answer of ``max_tokens: 0``: the prompt counted (and echoed when asked), no token
+    generated, finish ``length``; as a stream of one last chunk, like a generation's."""
+    await fits(engine, prompt, params)
+    if isinstance(prompt, str):
+        try:
+            ids: Sequence[int] = await asyncio.to_thread(engine.tokenize, prompt)
+        except NotImplementedError as exc:
+            raise ApiError(
+                400, f"max_tokens 0 answers with the prompt's token count, which {engine.name} cannot "
+                "count; ask for at least one token", param="max_tokens", code="unsupported_value",
+            ) from exc  # fmt: skip
+        text = prompt
+    else:
+        ids, text = prompt, await asyncio.to_thread(engine.detokenize, prompt)
+
+    async def one() -> AsyncGenerator[Chunk, None]:
+        usage = Usage(prompt_tokens=len(ids), completion_tokens=0)
+        yield Chunk(text if echo else "", (), "length", usage, Timings(0.0, 0.0, 0.0, 0.0, None, None))
+
+    return one()

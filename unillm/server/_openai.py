@@ -16,7 +16,7 @@ from unillm._contract._run import afold
 from unillm._errors import ConfigError
 from unillm._types import Chunk
 from unillm.server._errors import ApiError
-from unillm.server._generate import stream
+from unillm.server._generate import nothing, stream
 from unillm.server._openai_logprobs import chat_logprobs
 from unillm.server._openai_wire import (
     DONE,
@@ -64,9 +64,12 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     slot, engine = await engine_for(state, body.model, record)
     prompt = await chat_prompt(engine, body.messages, tools)
-    asked = body.max_completion_tokens or body.max_tokens
+    asked = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    params = openai_sampling(state, engine, slot.alias, body, asked, logprobs=k, lora=record.adapter)
+    # max_tokens 0 generates nothing; the other fields are checked as for one token
+    params = openai_sampling(
+        state, engine, slot.alias, body, 1 if asked == 0 else asked, logprobs=k, lora=record.adapter
+    )
     if tools is not None:
         params = _forced(engine, params, tools)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
@@ -75,9 +78,14 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
         if body.n > 1:
             raise ApiError(400, f"n is {body.n}: a chat with tools returns one choice",
                            param="n", code="unsupported_value")  # fmt: skip
-        done = await unless_gone(request, afold(stream(state, slot, engine, prompt, params, record)))
+        chunks = await nothing(engine, prompt, params, echo=False) if asked == 0 else None
+        chunks = chunks or stream(state, slot, engine, prompt, params, record)
+        done = await unless_gone(request, afold(chunks))
         return _tool_answer(engine, body, tools, done, cid, created, slot.alias)
-    streams = [stream(state, slot, engine, prompt, p, record) for p in seeded(params, body.n)]
+    if asked == 0:
+        streams = [await nothing(engine, prompt, params, echo=False) for _ in range(body.n)]
+    else:
+        streams = [stream(state, slot, engine, prompt, p, record) for p in seeded(params, body.n)]
     if not body.stream:
         answers = await folded(request, streams)
         choices = [

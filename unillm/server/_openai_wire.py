@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,9 +27,12 @@ from unillm.server._errors import ApiError, public_message
 from unillm.server._request import dumps, unless_gone
 
 __all__ = [
-    "DONE", "SSE_HEADERS", "Framing", "finish_reason", "folded", "seeded", "sse", "summed", "usage_json",
-    "whole",
+    "DONE", "SSE_HEADERS", "Framing", "finish_reason", "folded", "seeded", "sse", "summed",
+    "usage_json", "whole",
 ]  # fmt: skip
+
+if TYPE_CHECKING:
+    pass
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering

@@ -38,7 +38,7 @@ class _Sampling(_Body):
     """Fields chat and completions share."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt counted, nothing generated
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the likeliest token only
     n: int = Field(default=1, ge=1, le=128)
@@ -78,7 +78,7 @@ class ChatMessageIn(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
@@ -114,7 +114,6 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # required, and nullable: null is OpenAI's default prompt (the start of a document)
     prompt: str | list[int] | list[str] | list[list[int]] | None
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt counted, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("logprobs", mode="before")
@@ -128,7 +127,7 @@ class CompletionRequest(_Sampling):
         return value
 
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=0)  # 0: as if not given (the document allows it)
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
 
@@ -168,13 +167,13 @@ class AnthropicMessage(_Body):
 
 class MessagesRequest(_Body):
     model: str
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: the prompt counted, nothing generated
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[AnthropicBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the likeliest token only
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=0)  # 0: no cut (the document allows it)
     stream: bool = False
     metadata: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
