@@ -1068,3 +1068,37 @@ def test_config_mistakes_are_config_errors(tmp_path: Path) -> None:
     config.write_text('models = "m.gguf"\n')
     with pytest.raises(ConfigError, match="must be tables"):
         read_server_config(config)
+
+
+@needs_llama_cpp
+def test_suffix_is_fill_in_the_middle_on_a_model_with_its_tokens(tmp_path: Path) -> None:
+    """A model whose vocabulary has fill-in-the-middle tokens gets ``suffix`` as OpenAI's FIM:
+    the prompt written <|fim_prefix|>before<|fim_suffix|>after<|fim_middle|>, the answer the
+    middle alone; the engine given that prompt itself answers the same. (A model of its own: the
+    tiny model's FIM variant, its last three filler tokens named; the shared one has none, and its
+    refusal is tested with the other refusals.)"""
+    from unillm.server._completions import fim_tokens
+    from unillm.testing import build_tiny_model
+
+    fim = build_tiny_model(tmp_path / "fim", fim=True)
+    before, after = "def add(a, b):\n    ", "\n    return c\n"
+
+    async def main() -> None:
+        pool, asgi = _lazy_app(fim.gguf_path, ("fim",))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://u") as c:
+                ask = {"model": "fim", "prompt": before, "suffix": after, "max_tokens": 6, "temperature": 0}
+                r = await c.post("/v1/completions", json=ask)
+                assert r.status_code == 200, r.text
+                _, engine = await pool.engine("fim")
+                assert fim_tokens(engine) == ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+                written = f"<|fim_prefix|>{before}<|fim_suffix|>{after}<|fim_middle|>"
+                ids = engine.tokenize(written)
+                assert ids.count(509) == ids.count(510) == ids.count(511) == 1  # one token each
+                direct = engine.generate(written, temperature=0, max_tokens=6)
+                assert r.json()["choices"][0]["text"] == direct.text
+                assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())

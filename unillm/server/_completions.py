@@ -13,8 +13,10 @@ a document: here the model's own start (an empty text, which the engine opens wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,7 @@ from unillm.server._schemas import CompletionRequest
 if TYPE_CHECKING:
     from unillm._contract._engine import Engine
 
-__all__ = ["MAX_GENERATIONS", "router"]
+__all__ = ["FIM_TOKENS", "MAX_GENERATIONS", "fim_tokens", "router"]
 
 router = APIRouter()
 
@@ -52,7 +54,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     n, best = body.n, body.best_of or body.n  # best_of 0 or null: n
     _check_counts(body, len(prompts), n, best)
     slot, engine = await engine_for(state, body.model, record)
-    _check_engine(body, engine, slot.alias, best > n)
+    _check_engine(body, engine, best > n)
     # best_of ranks candidates by their log probabilities: asked for (0 alternatives) when the
     # request did not ask for them itself, and then not shown
     k = body.logprobs if body.logprobs is not None else (0 if best > n else None)
@@ -62,6 +64,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         state, engine, slot.alias, body, 1 if asked == 0 else asked, logprobs=k, lora=record.adapter
     )
     echoes = [await _text_of(engine, p) for p in prompts] if body.echo else None
+    if body.suffix is not None:
+        prompts = [await _fim(engine, slot.alias, p, body.suffix) for p in prompts]
     prompts = [await _started(engine, p) for p in prompts]
     if asked == 0:
         streams = [await nothing(engine, p, params, body.echo) for p in prompts for _ in range(n)]
@@ -148,13 +152,8 @@ def _check_counts(body: CompletionRequest, prompts: int, n: int, best: int) -> N
         )  # fmt: skip
 
 
-def _check_engine(body: CompletionRequest, engine: Engine[Any], alias: str, ranks: bool) -> None:
+def _check_engine(body: CompletionRequest, engine: Engine[Any], ranks: bool) -> None:
     """Refuse what this model's engine cannot honour, naming the field."""
-    if body.suffix is not None:
-        raise ApiError(
-            400, f"suffix asks for fill-in-the-middle, which is not served for {alias!r}; leave it "
-            "out and send the text before the gap as the prompt", param="suffix", code="unsupported_value",
-        )  # fmt: skip
     if body.echo and body.logprobs is not None:
         raise ApiError(
             400, f"echo with logprobs needs the log probabilities of the prompt's tokens, which "
@@ -179,6 +178,49 @@ def _best(candidates: Sequence[Completion], n: int) -> Sequence[Completion]:
         return sum(lps) / len(lps) if lps else 0.0
 
     return sorted(candidates, key=mean, reverse=True)[:n]
+
+
+#: fill-in-the-middle tokens as models name them (prefix, suffix, middle), each written before
+#: its part and the middle's last: Qwen2.5-Coder's, StarCoder's and DeepSeek-Coder's
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+_fim_of: weakref.WeakKeyDictionary[Any, tuple[str, str, str] | None] = weakref.WeakKeyDictionary()
+
+
+def fim_tokens(engine: Engine[Any]) -> tuple[str, str, str] | None:
+    """The model's fill-in-the-middle tokens: the first of ``FIM_TOKENS`` whose three texts are
+    each one token of its vocabulary (found once per engine); None when it has none."""
+    with contextlib.suppress(TypeError):  # an engine that cannot be weakly referenced: not kept
+        if engine in _fim_of:
+            return _fim_of[engine]
+    found = None
+    try:
+        start = len(engine.tokenize(""))  # a BOS the engine puts before any text
+        for style in FIM_TOKENS:
+            if all(len(engine.tokenize(t)) == start + 1 for t in style):
+                found = style
+                break
+    except NotImplementedError:
+        pass
+    with contextlib.suppress(TypeError):
+        _fim_of[engine] = found
+    return found
+
+
+async def _fim(engine: Engine[Any], alias: str, prompt: Prompt, suffix: str) -> str:
+    """The fill-in-the-middle prompt of the text before the gap (``prompt``) and after it."""
+    style = await asyncio.to_thread(fim_tokens, engine)
+    if style is None:
+        raise ApiError(
+            400, f"suffix asks for fill-in-the-middle, and {alias!r} has no fill-in-the-middle tokens "
+            "(such as <|fim_prefix|>); leave suffix out and send the text before the gap as the prompt",
+            param="suffix", code="unsupported_value",
+        )  # fmt: skip
+    before = await _text_of(engine, prompt)
+    return f"{style[0]}{before}{style[1]}{suffix}{style[2]}"
 
 
 async def _started(engine: Engine[Any], prompt: Prompt) -> Prompt:

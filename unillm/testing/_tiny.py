@@ -45,6 +45,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # build_tiny_model(fim=True)
 
 _CORPUS = """\
 Local inference runs a language model on hardware you own. The engine loads the weights, turns
@@ -122,13 +123,16 @@ def build_tiny_model(
     *,
     force: bool = False,
     eos: tuple[str, ...] = (EOS,),
+    fim: bool = False,
 ) -> TinyModel:
     """Write the tiny model of ``size`` under ``directory`` (HF dir + GGUF), deterministically.
 
     ``eos`` are the end-of-sequence tokens the model declares (special tokens of its vocabulary):
     the HF files list all of them (``generation_config.json``'s ``eos_token_id`` list), the GGUF
     the first as its EOS, the second as its EOT and the third as its EOM, so a test can check that
-    every engine stops on each. An existing build of the same spec is reused unless ``force``.
+    every engine stops on each. ``fim`` makes the last three ids ``FIM_TOKENS`` (fill-in-the-middle's,
+    special tokens of the vocabulary; the rest trained three tokens short). An existing build of
+    the same spec is reused unless ``force``.
     """
     if not eos or len(eos) > 3 or any(t not in SPECIAL_TOKENS for t in eos):
         raise ValueError(f"eos takes one to three of {SPECIAL_TOKENS}, got {eos!r}")
@@ -139,12 +143,13 @@ def build_tiny_model(
     gguf_path = root / f"tiny-{name}-f32.gguf"
     model = TinyModel(root, hf_dir, gguf_path, spec)
     stamp = root / ".unillm-tiny.json"
-    want = json.dumps({"builder": BUILDER_VERSION, "spec": asdict(spec), "eos": list(eos)}, sort_keys=True)
+    built = {"builder": BUILDER_VERSION, "spec": asdict(spec), "eos": list(eos)}
+    want = json.dumps({**built, "fim": True} if fim else built, sort_keys=True)
     if not force and stamp.is_file() and stamp.read_text() == want and gguf_path.is_file():
         return model
 
     hf_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = _train_tokenizer(spec.vocab_size)
+    tokenizer_json = _train_tokenizer(spec.vocab_size, fim)
     tensors = _weights(spec)
     _write_hf(hf_dir, spec, tensors, tokenizer_json, eos)
     _write_gguf(gguf_path, spec, tensors, tokenizer_json, name, eos=eos)
@@ -152,14 +157,14 @@ def build_tiny_model(
     return model
 
 
-def _train_tokenizer(vocab_size: int) -> str:
+def _train_tokenizer(vocab_size: int, fim: bool = False) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - (len(FIM_TOKENS) if fim else 0),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -168,8 +173,17 @@ def _train_tokenizer(vocab_size: int) -> str:
     data = json.loads(tok.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
     # Pad to exactly vocab_size with unreachable filler so embeddings and vocab agree.
-    for i in range(len(vocab), vocab_size):
+    for i in range(len(vocab), vocab_size - (len(FIM_TOKENS) if fim else 0)):
         vocab[f"<|unused{i}|>"] = i
+    if fim:  # the last three ids (trained three short of vocab_size for them)
+        for k, text in enumerate(FIM_TOKENS):
+            i = vocab_size - len(FIM_TOKENS) + k
+            vocab.pop(f"<|unused{i}|>", None)
+            vocab[text] = i
+            data["added_tokens"].append({
+                "id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True,
+            })  # fmt: skip
     return json.dumps(data, ensure_ascii=False, sort_keys=True)
 
 
@@ -287,7 +301,7 @@ def _write_gguf(
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     types = [
         gguf.TokenType.CONTROL
-        if t in SPECIAL_TOKENS
+        if t in SPECIAL_TOKENS or t in FIM_TOKENS
         else gguf.TokenType.UNUSED
         if t.startswith("<|unused")
         else gguf.TokenType.NORMAL
