@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import unillm
 from unillm import (
     DiskFull,
     DownloadError,
@@ -319,7 +320,10 @@ def test_select_and_inspect_read_headers_only(hub: HubServer, cache: Path) -> No
     assert "quantizations" in text and "* F32" in text and "the highest precision that fits" in text
     for key, sent in hub.served.items():  # a header or two, never a whole file
         assert sent < len(_data(hub, "unillm/tiny-gguf", key.rsplit("/", 1)[1])) / 2, key
-    info = model_info(EngineConfig(model="unillm/tiny"))  # config.json, then the safetensors header
+    # unillm.inspect_model takes a name from Python as `unillm inspect` does (model_info)
+    assert unillm.inspect_model("unillm/tiny-gguf:F16").quantization == "F16"
+    info = unillm.inspect_model("unillm/tiny")  # config.json, then the safetensors header
+    assert info == model_info(EngineConfig(model="unillm/tiny"))
     weights = len(_data(hub, "unillm/tiny", "model.safetensors"))
     assert info.layers == 2 and info.weights_bytes < weights and info.parameters == SIZES["small"].n_params
     assert info.quantization == "f32" and not info.estimated

@@ -30,7 +30,7 @@ _LAZY = {
     "detect_hardware": "unillm._hardware",
     "load_hardware": "unillm._hardware",
     "ModelInfo": "unillm._inspect",
-    "inspect_model": "unillm._inspect",
+    "inspect_model": "unillm._choose._auto",
     "Workload": "unillm._plan._estimate",
     "Plan": "unillm._plan._estimate",
     "Placement": "unillm._plan._estimate",
@@ -153,7 +153,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from unillm._chat._tools import InvalidTools, ToolCallParseError
-    from unillm._choose._auto import auto_engine, load_engine
+    from unillm._choose._auto import auto_engine, inspect_model, load_engine
     from unillm._choose._registry import BackendInfo, Registry, backends
     from unillm._choose._select import Candidate, Selection, select
     from unillm._config import read_config
@@ -183,7 +183,7 @@ if TYPE_CHECKING:
         UnsupportedParameter,
     )
     from unillm._hardware import GPU, Hardware, detect_hardware, load_hardware
-    from unillm._inspect import ModelInfo, detect_format, inspect_model
+    from unillm._inspect import ModelInfo, detect_format
     from unillm._plan._estimate import Placement, Plan, Workload, plan
     from unillm._structured import StructuredOutputError
     from unillm._types import (

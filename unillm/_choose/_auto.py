@@ -48,6 +48,7 @@ __all__ = [
     "Selection",
     "auto_engine",
     "choose",
+    "inspect_model",
     "load_engine",
     "model_info",
     "resolve_name",
@@ -131,6 +132,26 @@ def model_info(cfg: EngineConfig, registry: Registry | None = None, hardware: Ha
     if source is not None and source.local is None:
         return source.info
     return (registry or default_registry()).inspect_model(cfg.model)
+
+
+def inspect_model(model: str | os.PathLike[str], *, hardware: Hardware | None = None) -> ModelInfo:
+    """What a model is, read from headers only (never the weights), as ``unillm inspect`` reads it.
+
+    ``model`` is a ``.gguf`` file (any part of a split set), a ``.safetensors`` file, a model
+    directory (a plugin's own format is read by its ``unillm_inspect_model``), or a Hugging Face
+    name, ``org/name[@revision][:QUANT]``, resolved as ``auto_engine`` resolves it: from the cache
+    when its files are there, else from the hub's file list and headers (range requests: nothing
+    is downloaded). Of a repo with several GGUF files and no tag, the one chosen for ``hardware``
+    at the default workload (no hardware: llama.cpp's default, Q4_K_M, else Q8_0, else the first).
+    Raises ``ModelNotFound`` for a missing path, ``ModelFormatError`` for anything corrupt or not a
+    model, and for a name the hub's typed errors (``RepoNotFound``, ``QuantNotFound``,
+    ``GatedModel``; ``NotCached`` offline, saying what to run).
+    """
+    from unillm._types import EngineConfig
+
+    if parse_model_name(model) is None:
+        return default_registry().inspect_model(os.fspath(model))
+    return model_info(EngineConfig(model=str(model)), hardware=hardware)  # type: ignore[no-any-return]
 
 
 def resolve_name(
