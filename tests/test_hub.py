@@ -491,6 +491,61 @@ def test_pull_models_rm(hub: HubServer, cache: Path) -> None:
     assert out.exit_code == 2 and "not a model name" in out.output
 
 
+def _pull(name: str, *, terminal: bool) -> tuple[str, str]:
+    """``unillm pull NAME`` in a process of its own, its stderr a terminal (a pseudo-terminal)
+    or a pipe; its stdout and stderr. huggingface_hub's own switch for bars is left as a user's
+    environment has it (unset): the hub fixture turns it off for every other test."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    argv = [sys.executable, "-m", "unillm", "pull", name]
+    if not terminal:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, proc.stderr
+    main, sub = pty.openpty()
+    # a terminal of 24 x 100 (a fresh pseudo-terminal is 0 x 0, and a bar fits no columns)
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=sub, stdin=subprocess.DEVNULL, env=env
+    ) as child:
+        os.close(sub)
+        seen = b""
+        try:
+            while True:
+                try:
+                    got = os.read(main, 65536)
+                except OSError:  # EIO: the child closed its end
+                    break
+                if not got:
+                    break
+                seen += got
+            assert child.stdout is not None
+            out = child.stdout.read().decode()
+            assert child.wait(timeout=300) == 0, seen.decode(errors="replace")
+        finally:
+            child.kill()
+            os.close(main)
+    return out, seen.decode(errors="replace")
+
+
+def test_pull_draws_bars_on_a_terminal_and_writes_lines_elsewhere(hub: HubServer, cache: Path) -> None:
+    """A terminal gets huggingface_hub's bar (redrawn in place with carriage returns, the file
+    named, 100% at the end); a pipe gets log lines at each tenth; stdout is the path either way."""
+    out, err = _pull("unillm/tiny-gguf:Q8_0", terminal=True)
+    size = len(_data(hub, "unillm/tiny-gguf", "tiny-small-Q8_0.gguf"))
+    assert Path(out.strip().splitlines()[-1]).stat().st_size == size
+    assert "tiny-small-Q8_0.gguf" in err and "100%" in err and "\r" in err, err
+    assert "(100%)" not in err  # the bar, not the log lines
+    out, err = _pull("unillm/tiny-gguf:F16", terminal=False)
+    assert Path(out.strip().splitlines()[-1]).is_file()
+    assert "tiny-small-f16.gguf" in err and "(100%)" in err and "\r" not in err, err
+
+
 def test_a_config_file_keeps_a_name_and_joins_a_path(tmp_path: Path) -> None:
     from unillm import read_config
 
