@@ -76,6 +76,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/backends/exllamav2.md", 'pip install "unillm[exllamav2]"'): "an installation command",
     ("docs/backends/vllm.md", 'pip install "unillm[vllm]"'): "installation commands",
     ("docs/configuration.md", "python app.py"): "app.py stands for the user's own program",
+    ("docs/models.md", "Qwen2.5-7B-Instruct-AWQ"): "names real AWQ, MLX and 7B repos the loopback hub "
+    "does not hold (their weights are gigabytes); tests/test_hub.py makes the same call on the tiny "
+    "model's f32, GGUF and MLX 4-bit copies",
     ("docs/selection.md", "concurrency=16"): "starts vLLM, a second start here (2 min on 2 cores) after "
     "vllm.md's; tests/test_parity.py makes this very call on the tiny model",
     ("docs/backends/vllm-scale-out.md", "export NCCL_SOCKET_IFNAME"): "the network between machines",

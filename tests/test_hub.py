@@ -4,6 +4,7 @@ against it, no mocks. One hub serves the whole module; each test gets its own HF
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 import unillm
 from unillm import (
+    Availability,
     DiskFull,
     DownloadError,
     EngineConfig,
@@ -549,9 +551,12 @@ def test_pull_draws_bars_on_a_terminal_and_writes_lines_elsewhere(hub: HubServer
 def test_a_config_file_keeps_a_name_and_joins_a_path(tmp_path: Path) -> None:
     from unillm import read_config
 
-    (tmp_path / "a.toml").write_text('model = "unillm/tiny-gguf:Q8_0"\n')
+    (tmp_path / "a.toml").write_text(
+        'model = "unillm/tiny-gguf:Q8_0"\nvariants = ["unillm/tiny", "m/x.gguf"]\n'
+    )
     (tmp_path / "b.toml").write_text('model = "models/x.gguf"\n')
     assert read_config(tmp_path / "a.toml").model == "unillm/tiny-gguf:Q8_0"
+    assert read_config(tmp_path / "a.toml").variants == ("unillm/tiny", str(tmp_path / "m" / "x.gguf"))
     assert read_config(tmp_path / "b.toml").model == str(tmp_path / "models" / "x.gguf")
 
 
@@ -716,3 +721,90 @@ def test_a_hub_gone_between_the_listing_and_the_download(
     with pytest.raises(DownloadError, match="cannot reach the hub"):
         r.fetch()
     assert r.local is None
+
+
+# ---- variants: the same model in several copies ----
+
+
+def _mlx_4bit(hub: HubServer, tmp_path: Path) -> str:
+    """A real MLX 4-bit conversion of the tiny model (mlx-lm's own converter), on the hub."""
+    from mlx_lm import convert
+
+    from unillm.testing import build_tiny_model
+
+    out = tmp_path / "mlx-4bit"
+    convert(
+        str(build_tiny_model(tmp_path / "tiny").hf_dir),
+        mlx_path=str(out),
+        quantize=True,
+        q_bits=4,
+        q_group_size=32,
+    )
+    hub.add("unillm/tiny-mlx-4bit", {p.name: p for p in sorted(out.iterdir()) if p.is_file()})
+    return "unillm/tiny-mlx-4bit"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm is not installed")
+def test_variants_give_the_highest_precision_that_runs_and_fits(
+    hub: HubServer, cache: Path, tmp_path: Path
+) -> None:
+    """Of an HF-format f32 repo, a GGUF Q8_0 and an MLX 4-bit conversion of the same model: the f32
+    on a roomy machine, the Q8_0 where only it and the MLX copy fit, the MLX copy where only it
+    does; a copy no installed backend reads is passed over; every copy listed in explain(), and
+    nothing downloaded to weigh them."""
+    from unillm import Hardware
+    from unillm._choose._auto import choose
+
+    def machine(ram: float) -> Hardware:
+        return Hardware(
+            os="Linux", arch="x86_64", cpu_cores=4, ram_total_bytes=int(ram), ram_available_bytes=int(ram)
+        )
+
+    mlx = _mlx_4bit(hub, tmp_path)
+    hub.reset_counts()
+    cfg = EngineConfig(model="unillm/tiny", variants=("unillm/tiny-gguf:Q8_0", mlx), context_length=4096,
+                       concurrency=4)  # fmt: skip
+    # as if llama.cpp, MLX and vLLM were installed and nothing else (this machine's own set
+    # varies): the choice is the chooser's, not the machine's
+    installed = {"llama.cpp", "mlx", "vllm"}
+    available = {
+        n: Availability(n in installed, "" if n in installed else "not installed here")
+        for n in unillm.backends()
+    }
+    roomy = choose(cfg, hardware=machine(1 << 40), available=available)
+    assert roomy.variant == "unillm/tiny", roomy.selection.explain()
+    need = {w.name: w.total_bytes for w in roomy.weighed}
+    assert [w.backend is not None for w in roomy.weighed] == [True, True, True]
+    text = roomy.selection.explain()
+    assert "variants (highest precision first, * chosen):" in text and "* unillm/tiny (" in text
+    assert text.index("unillm/tiny (") < text.index("unillm/tiny-gguf:Q8_0") < text.index(mlx)
+    budget = 0.95  # the planner keeps 5% of a device in reserve
+    for want, low, high in [
+        ("unillm/tiny-gguf:Q8_0", "unillm/tiny-gguf:Q8_0", "unillm/tiny"),
+        (mlx, mlx, "unillm/tiny-gguf:Q8_0"),
+    ]:
+        assert need[low] < need[high], need
+        got = choose(cfg, hardware=machine((need[low] + need[high]) / 2 / budget), available=available)
+        assert got.variant == want, got.selection.explain()
+        assert "that fits at 4096 tokens x 4" in got.selection.explain()
+    # no backend that reads safetensors or MLX installed: the GGUF, whatever its precision
+    gguf_only = {n: Availability(n == "llama.cpp", "not installed here") for n in available}
+    only = choose(cfg, hardware=machine(1 << 40), available=gguf_only)
+    assert (
+        only.variant == "unillm/tiny-gguf:Q8_0" and "no installed backend runs it" in only.selection.explain()
+    )
+    assert not list(cache.rglob("*.gguf")) and not list(cache.rglob("*.safetensors"))
+    assert all("safetensors" not in key or sent < 1 << 17 for key, sent in hub.served.items())  # headers only
+
+
+@needs_llama_cpp
+def test_auto_engine_loads_the_variant_chosen_and_downloads_only_it(hub: HubServer, cache: Path) -> None:
+    """A Q4_0 model with its Q8_0 and F16 copies as variants (one missing from the hub): the F16 is
+    downloaded alone and runs; explain() lists each variant and the one not weighed."""
+    variants = ["unillm/tiny-gguf:Q8_0", "unillm/tiny-gguf:F16", "unillm/nowhere"]
+    engine = unillm.auto_engine("unillm/tiny-gguf:Q4_0", variants=variants)
+    with engine:
+        assert engine.generate("Once upon a time", max_tokens=4, temperature=0).usage.completion_tokens == 4
+        text = engine.selection.explain()
+    assert "* unillm/tiny-gguf:F16" in text and "not weighed: unillm/nowhere" in text, text
+    assert sorted(p.name for p in cache.rglob("*.gguf")) == ["tiny-small-f16.gguf"]

@@ -177,6 +177,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         data = data["unillm"]
     if "model" in data:
         data["model"] = model_in_file(data["model"], path.parent)
+    if isinstance(data.get("variants"), list):
+        data["variants"] = [model_in_file(v, path.parent) for v in data["variants"]]
     return data
 
 

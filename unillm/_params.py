@@ -222,6 +222,13 @@ class EngineConfig(Validated):
         description="A LoRA adapter applied to every request (its path), or several by name "
         "({name: path}) that requests pick with SamplingParams.lora where the backend can.",
     )
+    variants: tuple[str, ...] = Field(
+        default=(),
+        max_length=32,
+        description="Other copies of the same model (an AWQ, GPTQ or MLX conversion, a GGUF repo; "
+        "paths or Hugging Face names) auto_engine may load instead of model: with no backend "
+        "forced, the highest precision an installed backend runs that fits (docs/models.md).",
+    )
 
     @field_validator("lora", mode="before")
     @classmethod

@@ -11,8 +11,9 @@ taken, and every step. Nothing here names an engine: what is specific to one liv
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from unillm._choose._registry import Registry, default_registry
@@ -28,6 +29,8 @@ from unillm._errors import (
     ModelNotFound,
     NoSuitableBackend,
     OutOfMemory,
+    UnillmError,
+    UnillmWarning,
     warn,
 )
 from unillm._inspect import ModelInfo
@@ -114,6 +117,10 @@ class Choice:
     hardware: Hardware | None
     #: what a model name resolved to (None for a path); its files may still be to download
     source: Resolved | None = None
+    #: of ``EngineConfig.variants``, the one chosen (None: no variants were weighed), and each
+    #: variant as it was weighed (``unillm._choose._variants.Weighed``)
+    variant: str | None = None
+    weighed: list[Any] = field(default_factory=list)
 
     def fetch(self, cfg: EngineConfig, progress: Progress | None = None) -> EngineConfig:
         """``cfg`` with its model name replaced by the local path, downloading what is missing
@@ -188,6 +195,8 @@ def choose(
         available = {name: info.availability() for name, info in backends.items()}
     if hardware is None:
         hardware = _machine()
+    if cfg.variants and not cfg.backend:
+        return _choose_variant(cfg, registry, hardware, available)
     given, note = cfg, None
     if cfg.backend:
         reads: set[str] = set(registry.get(cfg.backend).formats)
@@ -221,6 +230,42 @@ def choose(
         choice.source = source
         choice.selection.model = str(source.name)
         choice.selection.files = source.lines()
+    return choice
+
+
+def _choose_variant(
+    cfg: EngineConfig, registry: Registry, hardware: Hardware | None, available: Mapping[str, Availability]
+) -> Choice:
+    """``choose`` for ``cfg.model`` and each of ``cfg.variants``, weighed (``_variants``): the
+    choice of the one to load, its ``explain()`` listing them all."""
+    from unillm._choose._variants import pick, ranked_lines, weigh
+
+    weighed, choices, failed, errors = [], [], [], []
+    for name in (cfg.model, *cfg.variants):
+        try:
+            with warnings.catch_warnings():  # a tagged copy that does not fit: weighed, said below
+                warnings.simplefilter("ignore", UnillmWarning)
+                one = choose(cfg.model_copy(update={"model": name, "variants": ()}), registry,
+                             hardware=hardware, available=available)  # fmt: skip
+        except UnillmError as exc:  # a copy missing, gated, unreadable: the others may do
+            failed.append(f"{name}: {_first_line(exc)}")
+            errors.append(exc)
+            continue
+        choices.append(one)
+        weighed.append(weigh(name, one))
+    if not choices:
+        raise errors[0]  # the model's own error; the variants failed too
+    where = f"{cfg.context_length or 'the default'} tokens x {cfg.concurrency or 1}"
+    chosen, why = pick(weighed, where)
+    choice = choices[chosen]
+    choice.variant, choice.weighed = weighed[chosen].name, weighed
+    if weighed[chosen].fits is False:
+        warn(
+            f"none of {cfg.model} and its variants fits at {where}; {weighed[chosen].name}, the "
+            "smallest that runs here, may still load with a smaller context (selection.explain())"
+        )
+    lines = ranked_lines(weighed, chosen, why) + [f"  not weighed: {f}" for f in failed]
+    choice.selection.files = lines + choice.selection.files
     return choice
 
 
@@ -304,6 +349,8 @@ def _choose(
 def _open(cfg: EngineConfig, registry: Registry) -> Engine[Any]:
     choice = choose(cfg, registry)
     selection = choice.selection
+    if choice.variant is not None:  # the variant chosen stands for the model from here on
+        cfg = cfg.model_copy(update={"model": choice.variant, "variants": ()})
     if choice.source is not None:
         remote = choice.source.local is None
         local = choice.fetch(cfg)

@@ -79,14 +79,17 @@ def _download(cfg: EngineConfig) -> None:
     """A model name's files fetched before the spinner starts: bars on a terminal, lines otherwise."""
     from unillm._names import parse_model_name
 
-    if parse_model_name(cfg.model) is None:
+    if parse_model_name(cfg.model) is None and not cfg.variants:
         return
-    from unillm._choose._auto import resolve_name
+    from unillm._choose._auto import choose, resolve_name
     from unillm._contract._facts import machine
     from unillm.cli._models import _log_lines
 
     with _log_lines():
-        _, source = resolve_name(cfg, machine())
+        if cfg.variants:  # the copy that will be loaded, not the first named
+            source = choose(cfg).source
+        else:
+            _, source = resolve_name(cfg, machine())
         if source is not None and source.local is None:
             source.fetch()
 
