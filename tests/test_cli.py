@@ -96,6 +96,27 @@ def test_install_hints_keep_their_brackets(monkeypatch: pytest.MonkeyPatch) -> N
     assert "pip install 'unillm[exllamav2]'" in out.output
 
 
+def test_tables_print_whole_when_piped() -> None:
+    """Piped (no terminal, no COLUMNS), each row of `unillm backends` is one line, however long;
+    the capability table says what a default load does: MLX batches (batch_size 8), llama.cpp not
+    until parallel or the concurrency is above 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["UNILLM_EXLLAMAV2_ASSUME_GPU"] = "0"
+    proc = subprocess.run([sys.executable, "-m", "unillm", "backends"], capture_output=True, text=True,
+                          env=env, timeout=120, check=True)  # fmt: skip
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│ ")]
+    first = {line.split("│")[1].strip(): line for line in reversed(rows)}  # the first table's rows
+    assert "pip install 'unillm[exllamav2]'" in first["exllamav2"]  # the whole hint on its row
+    assert "awq" in first["vllm"] and "safetensors" in first["vllm"]
+    argv = [sys.executable, "-m", "unillm", "backends", "--json"]
+    listed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=True)
+    caps = json.loads(listed.stdout)["backends"]
+    assert (
+        caps["mlx"]["capabilities"]["batching"] is True
+        and caps["llama.cpp"]["capabilities"]["batching"] is False
+    )
+
+
 def test_build_tiny(tmp_path: Path) -> None:
     out = runner.invoke(app, ["testing", "build-tiny", str(tmp_path), "--size", "small"])
     assert out.exit_code == 0, out.output

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from unillm._contract._engine import Engine
     from unillm._inspect import ModelInfo
-    from unillm._types import Availability
+    from unillm._types import Availability, Capabilities
 
 __all__ = [
     "BackendInfo",
@@ -61,6 +61,14 @@ class BackendInfo:
             return self.cls.available()
         except Exception as exc:
             return Availability(False, f"its availability check failed: {exc!r}")
+
+    def capabilities(self) -> Capabilities:
+        """What it does loaded with its default options (``capabilities_for``: MLX batches by
+        default); what its class declares when its options have no defaults (a plugin's)."""
+        try:
+            return self.cls.capabilities_for(self.cls.Options())
+        except Exception:
+            return self.cls.capabilities
 
 
 @dataclass(frozen=True)

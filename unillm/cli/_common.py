@@ -4,6 +4,8 @@ the one way output is printed and a user's mistake reported (see ``unillm.cli``)
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -57,10 +59,18 @@ _EXIT_BAD_INPUT = 2  # click's own status for a usage error: every user mistake 
 _EXIT_DOES_NOT_FIT = 1  # `unillm plan`: the model does not fit (grep's "no match")
 
 
+#: the width of a console that is no terminal (a pipe, a file): wide enough that a table's rows
+#: stay one line each, so what is piped to grep or a file is whole (COLUMNS still sets it)
+PIPE_WIDTH = 1000
+
+
 def _console(*, stderr: bool = False) -> Any:
     from rich.console import Console
 
-    return Console(stderr=stderr)
+    stream = sys.stderr if stderr else sys.stdout
+    isatty = getattr(stream, "isatty", None)
+    piped = not (isatty and isatty()) and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, width=PIPE_WIDTH if piped else None)
 
 
 def _esc(text: object) -> str:

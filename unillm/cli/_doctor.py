@@ -29,7 +29,7 @@ def backends_cmd(as_json: JsonOpt = False) -> None:
                 "source": info.source,
                 "formats": sorted(info.cls.formats),
                 **_asdict(a),
-                "capabilities": _asdict(info.cls.capabilities),
+                "capabilities": _asdict(info.capabilities()),
             }
         _dump({"backends": rows, "plugin_failures": reg.failures})
         return
@@ -56,9 +56,10 @@ _EVERYWHERE = frozenset({"max_tokens", "stop", "temperature"})
 
 
 def _capabilities_table(reg: Registry) -> None:
-    """What each backend can do, as its class declares it (what the selector reads): sampling
-    parameters beyond the common ones, structured output, logprobs, batching, LoRA,
-    speculative decoding."""
+    """What each backend does with its default options (``capabilities_for``, what a load with
+    no options gets): sampling parameters beyond the common ones, structured output, logprobs,
+    batching (MLX batches by default; llama.cpp once ``parallel`` or the concurrency is above 1),
+    LoRA, speculative decoding."""
     from rich.table import Table
 
     def mark(ok: bool) -> str:
@@ -75,7 +76,7 @@ def _capabilities_table(reg: Registry) -> None:
         "more sampling",
     )
     for info in reg.backends().values():
-        c = info.cls.capabilities
+        c = info.capabilities()
         more = ", ".join(sorted(c.sampling - _EVERYWHERE - {"response_format", "logprobs"}))
         table.add_row(
             _esc(info.name),
