@@ -1026,9 +1026,37 @@ def test_max_loaded_holds_when_two_models_are_asked_for_at_once(tiny_gguf: Path)
 runner = CliRunner()
 
 
+@needs_llama_cpp
+def test_serve_says_what_it_loads_when_its_output_is_no_terminal(server: Server) -> None:
+    """The server's stderr is a pipe here: a line as each model starts loading and one when it is
+    loaded, before the line that says where it listens."""
+    text = "".join(server.lines)
+    loading = text.index(f"unillm serve: loading {ALIAS!r}")
+    loaded = text.index(f"unillm serve: {ALIAS!r} loaded in ")
+    assert "with llama.cpp" in text[loading:loaded] and loaded < text.index("unillm serve: listening on")
+
+
 def test_serve_without_a_model_exits_2() -> None:
     out = runner.invoke(app, ["serve"])
     assert out.exit_code == 2 and "give MODEL, or --config" in out.output
+
+
+def test_serve_binds_its_port_before_it_loads(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy port fails at once, before any model is loaded (no load is started: the loader is
+    never called), with a usage error that says to pick another port."""
+    import socket
+
+    import unillm.cli._serve as serve
+
+    loads: list[Any] = []
+    monkeypatch.setattr(serve, "_load", loads.append)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        out = runner.invoke(app, ["serve", str(tiny_gguf), "--port", str(port)])
+    assert out.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in out.output, out.output
+    assert "pick another --port" in out.output and loads == []
 
 
 def test_serve_refuses_a_bad_alias_and_engine_flags_with_a_config(tiny_gguf: Path, tmp_path: Path) -> None:

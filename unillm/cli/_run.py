@@ -95,14 +95,25 @@ def _download(cfg: EngineConfig) -> None:
 
 
 @contextlib.contextmanager
-def _loading(cfg: EngineConfig) -> Iterator[None]:
-    """A spinner on stderr while the engine starts (vLLM takes 30-60 s), only on a terminal: a
-    log file or a pipe gets nothing. A model name's files are downloaded first, with their own
-    progress (``unillm generate``, ``chat`` and ``serve`` all start engines here)."""
+def _loading(cfg: EngineConfig, *, label: str | None = None) -> Iterator[None]:
+    """A spinner on stderr while the engine starts (vLLM takes 30-60 s) on a terminal; elsewhere
+    (a log file, a pipe, a service manager) with ``label`` (``unillm serve``'s alias) a line as
+    the load starts and one when it is done, with its time. A model name's files are downloaded
+    first, with their own progress (``unillm generate``, ``chat`` and ``serve`` all start engines
+    here)."""
     _download(cfg)
     isatty = getattr(sys.stderr, "isatty", None)
     if not (isatty and isatty()):
+        if label is None:
+            yield
+            return
+        import time
+
+        print(f"unillm serve: loading {label!r} ({cfg.model}) with {cfg.backend or _likely_backend(cfg)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        t0 = time.monotonic()
         yield
+        print(f"unillm serve: {label!r} loaded in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
         return
     from rich.console import Console
 

@@ -103,13 +103,21 @@ def serve(
     if cfg.host not in _LOOPBACK and not cfg.resolved_api_key():
         err.print(f"[yellow]warning:[/] listening on {_esc(cfg.host)} without an API key: anyone who "
                   "can reach it can use it (set --api-key or UNILLM_API_KEY)", highlight=False)  # fmt: skip
+    # the port first: a busy one fails now, not after minutes of loading (bound, not yet
+    # listening: a client that comes during the load is refused at once, not left waiting)
+    sock, family = _bind(cfg)
     pool = Pool(cfg)
-    if not cfg.lazy:
-        with _reported():
-            for spec in cfg.models:
-                with _loading(spec.engine):
-                    pool.adopt(spec.alias, _load(served_config(spec, cfg)))
-    _run(cfg, pool)
+    try:
+        if not cfg.lazy:
+            with _reported():
+                for spec in cfg.models:
+                    with _loading(spec.engine, label=spec.alias):
+                        pool.adopt(spec.alias, _load(served_config(spec, cfg)))
+    except BaseException:
+        sock.close()
+        pool_close(pool)
+        raise
+    _run(cfg, pool, sock, family)
 
 
 def _load(config: Any) -> Any:
@@ -118,21 +126,26 @@ def _load(config: Any) -> Any:
     return load_engine(config)
 
 
-def _run(cfg: Any, pool: Any) -> None:
-    import uvicorn
-
-    from unillm.server import create_app
-
+def _bind(cfg: Any) -> tuple[socket.socket, int]:
+    """The server's socket, bound to ``cfg``'s address (a busy port is a usage error, exit 2)."""
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((cfg.host, cfg.port))
     except OSError as exc:
-        pool_close(pool)
+        sock.close()
         raise _bad(
             f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}; pick another --port"
         ) from exc
+    return sock, family
+
+
+def _run(cfg: Any, pool: Any, sock: socket.socket, family: int) -> None:
+    import uvicorn
+
+    from unillm.server import create_app
+
     sock.listen(2048)  # connections queue from now on, before uvicorn starts serving them
     bound = sock.getsockname()[1]
     shown = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
