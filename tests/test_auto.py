@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from unillm import EngineConfig, OutOfMemory, Registry, auto_engine
+from unillm import EngineConfig, OutOfMemory, Registry, UnillmWarning, auto_engine
 from unillm.backend import Cost, Facts
 from unillm.backend import Fallback as Step
 from unillm.testing import MockEngine
@@ -85,7 +85,9 @@ class Tight(Hungry):
 
 
 def test_more_than_the_trained_context_walks_down_to_it(tiny_gguf: Path) -> None:
-    e = auto_engine(tiny_gguf, backend="hungry", context_length=32768, registry=registry(Hungry))
+    said = "did not load with context_length=32768 .*it loaded with context_length=4096"
+    with pytest.warns(UnillmWarning, match=said):  # reduced, and said
+        e = auto_engine(tiny_gguf, backend="hungry", context_length=32768, registry=registry(Hungry))
     assert e.config.context_length == 4096  # the tiny model's trained context
     assert [ctx for ctx, _ in Hungry.loads] == [32768, 4096]
     assert e.selection is not None
@@ -95,7 +97,8 @@ def test_more_than_the_trained_context_walks_down_to_it(tiny_gguf: Path) -> None
 
 
 def test_the_context_is_halved_until_it_fits(tiny_gguf: Path) -> None:
-    e = auto_engine(tiny_gguf, backend="tight", context_length=4096, registry=registry(Tight))
+    with pytest.warns(UnillmWarning, match="it loaded with kv_cache_type=q8_0, context_length=1024 "):
+        e = auto_engine(tiny_gguf, backend="tight", context_length=4096, registry=registry(Tight))
     # the cheaper step first (a quantized KV cache keeps the context), then the context halves
     assert Hungry.loads == [(4096, "f16"), (4096, "q8_0"), (2048, "q8_0"), (1024, "q8_0")]
     assert e.selection is not None and len(e.selection.steps) == 3

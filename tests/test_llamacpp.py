@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from unillm import (
     ModelNotFound,
     OutOfMemory,
     SamplingParams,
+    UnillmWarning,
     auto_engine,
 )
 from unillm.testing import TinyModel, check_engine
@@ -337,8 +339,11 @@ def test_allocation_failure_is_out_of_memory(tiny_gguf: Path) -> None:
 
     huge = _more_than_ram_tokens()
     # refused from the plan before llama.cpp allocates anything, with the numbers and what fits
+    # (past the trained context only where the model is said to extend it)
     with pytest.raises(OutOfMemory, match=r"RAM is free; use a context of at most \d+ tokens"):
-        LlamaCppEngine(model=str(tiny_gguf), context_length=huge).load()
+        LlamaCppEngine(
+            model=str(tiny_gguf), context_length=huge, options={"allow_longer_context": True}
+        ).load()
     # past the check, llama.cpp's own allocation failure maps to OutOfMemory too
     with pytest.raises(OutOfMemory, match="smaller context"):
         LlamaCppEngine(
@@ -348,23 +353,38 @@ def test_allocation_failure_is_out_of_memory(tiny_gguf: Path) -> None:
         ).load()
 
 
-def test_a_context_past_the_trained_one_is_refused(tiny_gguf: Path) -> None:
+def test_a_context_past_the_trained_one_is_reduced_to_it_and_said(tiny_gguf: Path) -> None:
+    """One rule on every engine (unillm._contract._context.context_for): the engine loads with the
+    trained context and a warning naming what was asked, what is used and why; a model said to
+    extend its context (allow_longer_context) gets what was asked, without a warning."""
     from unillm.engines.llamacpp import LlamaCppEngine
 
-    with pytest.raises(ConfigError, match="trained for"):
-        LlamaCppEngine(model=str(tiny_gguf), context_length=8192).load()
-    with LlamaCppEngine(
-        model=str(tiny_gguf), context_length=8192, options={"allow_longer_context": True}
-    ) as e:
-        assert e.kv_stats().capacity_tokens == 8192
+    for asked in (8192, 10**9):
+        with pytest.warns(
+            UnillmWarning, match=f"context_length {asked} was asked for, 4096 is used: .* trained for 4096"
+        ), LlamaCppEngine(model=str(tiny_gguf), context_length=asked) as e:
+            assert e.kv_stats().capacity_tokens == 4096 == e.context_length
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnillmWarning)
+        with LlamaCppEngine(
+            model=str(tiny_gguf), context_length=8192, options={"allow_longer_context": True}
+        ) as e:
+            assert e.kv_stats().capacity_tokens == 8192
 
 
 def test_auto_engine_walks_down_to_a_context_that_fits(tiny_gguf: Path) -> None:
+    """Past memory (the model said to extend its context, so the trained one is no cap), the
+    fallback steps find a context that fits, and the reduced request is said in a warning."""
     huge = _more_than_ram_tokens()
-    with auto_engine(tiny_gguf, context_length=huge) as e:
-        assert e.kv_stats().capacity_tokens == 4096  # the model's trained context
+    with pytest.warns(
+        UnillmWarning,
+        match=f"did not load with context_length={huge} .*out of memory.* it loaded with context_length=",
+    ):
+        e = auto_engine(tiny_gguf, context_length=huge, options={"allow_longer_context": True})
+    with e:
         assert e.selection is not None
-        assert "out of memory" in e.selection.steps[0] and "context_length=4096" in e.selection.steps[0]
+        assert "out of memory" in e.selection.steps[0] and "context_length=" in e.selection.steps[0]
+        assert e.kv_stats().capacity_tokens < huge
         assert e.generate(PROMPT, GREEDY).usage.completion_tokens == GREEDY.max_tokens
 
 

@@ -335,6 +335,17 @@ def test_mlx_not_installed(tiny: TinyModel, monkeypatch: pytest.MonkeyPatch) -> 
         auto_engine(tiny.hf_dir, backend="mlx")
 
 
+def test_a_context_past_the_trained_one_is_reduced_to_it_and_said(tiny: TinyModel) -> None:
+    """The rule llama.cpp follows, in the same words (unillm._contract._context.context_for):
+    mlx-lm's positions end at the trained context, so a longer one is reduced to it, said."""
+    from unillm.engines.mlx import MLXEngine
+
+    match = "mlx: context_length 100000 was asked for, 4096 is used: .* trained for 4096 tokens"
+    engine = MLXEngine(model=str(tiny.hf_dir), context_length=100_000, options={"batch_size": 1})
+    with pytest.warns(UnillmWarning, match=match), engine as e:
+        assert e.context_length == 4096
+
+
 def test_auto_engine_picks_mlx_for_an_hf_directory(tiny: TinyModel) -> None:
     with auto_engine(tiny.hf_dir, context_length=128) as e:
         assert e.name == "mlx"

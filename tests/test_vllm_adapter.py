@@ -5,6 +5,7 @@ mailbox). The real engine is tested in test_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import struct
@@ -17,7 +18,14 @@ from typing import Any
 
 import pytest
 
-from unillm import BackendUnavailable, ConfigError, ModelFormatError, OutOfMemory, SamplingParams
+from unillm import (
+    BackendUnavailable,
+    ConfigError,
+    ModelFormatError,
+    OutOfMemory,
+    SamplingParams,
+    UnillmWarning,
+)
 from unillm._errors import ModelLoadError
 from unillm._hardware import Hardware
 from unillm._inspect import ModelInfo
@@ -28,7 +36,7 @@ from unillm.engines.vllm import VLLMEngine
 from unillm.engines.vllm._args import model_dir
 from unillm.engines.vllm._runtime import EngineLoop, OutputCapture
 from unillm.engines.vllm._start import load_error, weights_dtype
-from unillm.testing import TinyModel, check_closed
+from unillm.testing import SIZES, TinyModel, build_tiny_model, check_closed
 
 GiB = 1 << 30
 
@@ -95,6 +103,17 @@ def test_formats_other_engines_read_are_refused_before_vllm_starts(tiny: TinyMod
 
 
 # ---- engine arguments ----
+
+
+def test_a_context_past_the_trained_one_is_reduced_to_it_and_said(
+    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+) -> None:
+    """The rule llama.cpp and MLX follow, in the same words: vLLM itself refuses a max_model_len
+    past the model's max_position_embeddings; unillm loads it with the trained one and says so."""
+    cpu_machine(monkeypatch)
+    for config in ({"context_length": 100_000}, {"options": {"max_model_len": 100_000}}):
+        with pytest.warns(UnillmWarning, match="vllm: context_length 100000 was asked for, 4096 is used"):
+            assert engine_args(tiny, **config)["max_model_len"] == 4096
 
 
 def test_engine_arguments_on_the_cpu_build(monkeypatch: pytest.MonkeyPatch, tiny: TinyModel) -> None:
@@ -319,11 +338,13 @@ def test_kv_bytes_per_token_are_the_planners(
 
 
 def test_cpu_kv_space_counts_auto_as_the_dtype_the_engine_runs_in(
-    monkeypatch: pytest.MonkeyPatch, tiny: TinyModel
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """One answer for "auto": the weights' f32 (4 bytes) by default, and where vLLM picks the dtype
-    (dtype="auto"), its 16-bit one, as the KV stats count it."""
+    (dtype="auto"), its 16-bit one, as the KV stats count it. (A tiny model trained for 131072
+    positions: 65536 tokens of context are then what is used, above the 256 MiB floor.)"""
     cpu_machine(monkeypatch)
+    tiny = build_tiny_model(tmp_path, dataclasses.replace(SIZES["small"], max_position_embeddings=131072))
     per_token = 2 * tiny.spec.num_layers * tiny.spec.num_kv_heads * tiny.spec.head_dim
     assert engine_args(tiny, context_length=65536)["kv_cache_memory_bytes"] == 16 * 65536 * per_token * 4
     got = engine_args(tiny, context_length=65536, options={"dtype": "auto"})["kv_cache_memory_bytes"]

@@ -403,12 +403,14 @@ def _load_walking_down(
     current = cfg
     steps: list[Fallback] | None = None
     wl = workload
+    applied: list[str] = []  # the steps taken, and why the first was needed
+    first_why = ""
     while True:
         engine = cls(current)
         engine.selection = selection
         engine.facts = facts
         try:
-            return engine.load()
+            loaded = engine.load()
         except (OutOfMemory, ModelLoadError) as exc:
             if steps is None:
                 steps = sorted(_declared(cls, cfg, facts, selection), key=lambda f: f.cost)
@@ -436,6 +438,17 @@ def _load_walking_down(
             facts = Facts(cfg.model, model=info, hardware=hardware, workload=wl, plan=step_plan)
             kind = "out of memory" if isinstance(exc, OutOfMemory) else "failed to load"
             selection.steps.append(f"{cls.name}: {kind} ({why}); retrying with {step.label}")
+            first_why = first_why or f"{kind}: {why}"
+            applied.append(step.label)
+            continue
+        if applied:  # a reduced request is said, not only recorded
+            asked = f"context_length={workload.context_length}" if workload.context_length else "its settings"
+            final = {label.split("=", 1)[0]: label for label in applied}  # each setting's last value
+            warn(
+                f"{cls.name}: {cfg.model!r} did not load with {asked} ({first_why}); it loaded with "
+                f"{', '.join(final.values())} (selection.explain() lists each step)"
+            )
+        return loaded
 
 
 def _declared(

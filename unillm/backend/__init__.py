@@ -24,7 +24,8 @@ What a backend is told
 Checks every backend makes the same way
     ``check_text``, ``check_token_ids`` (the base class applies them at its edge already),
     ``check_prompt`` (empty, or longer than the context), ``resolve_context`` (the context an
-    engine loads with when none is asked for: one rule, ``DEFAULT_CONTEXT``), ``shared_prefix``
+    engine loads with when none is asked for: one rule, ``DEFAULT_CONTEXT``), ``context_for`` (that
+    rule, and a context past the model's trained one reduced to it with a warning), ``shared_prefix``
     (tokens a cache can reuse), ``installed`` (an import-free availability check), ``gpu_present``,
     ``available_ram_bytes``.
 
@@ -72,7 +73,7 @@ from unillm._chat._template import (
 from unillm._chat._tools import read_tools
 from unillm._choose._guide import GuideEntry
 from unillm._contract._checks import check_prompt, installed, shared_prefix
-from unillm._contract._context import DEFAULT_CONTEXT, resolve_context
+from unillm._contract._context import DEFAULT_CONTEXT, context_for, resolve_context
 from unillm._contract._engine import Engine, Messages, NoOptions, Tools, check_text, check_token_ids
 from unillm._contract._facts import Facts
 from unillm._contract._logprobs import from_logits as logprobs_from_logits
@@ -166,6 +167,7 @@ __all__ = [
     "lora",
     "read_tools",
     "resolve_context",
+    "context_for",
     "shared_prefix",
     "template_message",
     "template_takes_tools",

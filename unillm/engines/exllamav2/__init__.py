@@ -39,13 +39,13 @@ from unillm.backend import (
     SamplingParams,
     Suitability,
     check_prompt,
+    context_for,
     eos_from_hf_dir,
     gpu_present,
     hf_chat_template,
     installed,
     kv_bytes_per_token,
     kv_dtype,
-    resolve_context,
     warn,
 )
 from unillm.engines.exllamav2._jobs import JobRunner, job_done
@@ -227,7 +227,9 @@ class ExLlamaV2Engine(Engine[ExLlamaV2Options]):
             raise BackendUnavailable(self.name, f"exllamav2 failed to import: {exc}", INSTALL_HINT) from exc
 
         config = model_config(exl, path, "model")
-        n_ctx = opts.max_seq_len or resolve_context(self.config.context_length, config.max_seq_len)[0]
+        n_ctx = context_for(
+            self.name, self.config.model, opts.max_seq_len or self.config.context_length, config.max_seq_len
+        )
         if opts.num_draft_tokens and not opts.draft_model:
             raise ConfigError("num_draft_tokens is set without draft_model; set both or neither")
         draft_tokens = (opts.num_draft_tokens or _DRAFT_TOKENS) if opts.draft_model else 0

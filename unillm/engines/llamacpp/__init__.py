@@ -41,13 +41,13 @@ from unillm.backend import (
     check_prompt,
     compile_error,
     compile_error_types,
+    context_for,
     eos_from_gguf_metadata,
     gguf_chat_template,
     gguf_in,
     installed,
     kv_dtype,
     logprobs_from_logits,
-    resolve_context,
     shared_prefix,
     warn,
 )
@@ -190,7 +190,10 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 "disagree; set only one"
             )
         trained = shape.trained_context
-        n_ctx = opts.n_ctx or resolve_context(self.config.context_length, trained)[0]
+        n_ctx = context_for(
+            self.name, self.config.model, opts.n_ctx or self.config.context_length, trained,
+            longer="allow_longer_context=True", allowed=opts.allow_longer_context,
+        )  # fmt: skip
         parallel = self._parallel(opts)
         gpu_layers = opts.n_gpu_layers
         if gpu_layers is None or gpu_layers == "auto":
@@ -198,12 +201,6 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         kv_type, dtype = _GGML_KV_TYPES[opts.kv_cache_type], kv_dtype(opts.kv_cache_type)
         if gpu_layers == 0 and not opts.skip_memory_check:
             check_fits(shape, n_ctx * parallel, dtype, self.config.model)
-        if trained and trained < n_ctx and not opts.allow_longer_context:
-            raise ConfigError(
-                f"context {n_ctx} is longer than the {trained} tokens {self.config.model!r} was "
-                "trained for, and past that its output degrades; use a context of at most "
-                f"{trained}, or set allow_longer_context=True if the model extends it (RoPE scaling)"
-            )
         kwargs: dict[str, Any] = {
             # batching: the sequences' context is made below; this one serves the tokenizer only
             "n_ctx": n_ctx if parallel == 1 else min(n_ctx, 256),

@@ -34,12 +34,12 @@ from unillm.backend import (
     SamplingParams,
     check_chat_template,
     check_prompt,
+    context_for,
     eos_from_hf_dir,
     hf_chat_template,
     hf_token_bytes,
     installed,
     kv_bytes_per_token,
-    resolve_context,
     shared_prefix,
     warn,
 )
@@ -236,11 +236,10 @@ class MLXEngine(Engine[MLXOptions]):
         self._tokenizer = tokenizer
         self._info = info
         self._draft = spec.load_draft(mlx_lm, opts.draft_model, opts.num_draft_tokens, tokenizer)
-        trained = info.context_length
-        wanted = resolve_context(self.config.context_length, trained)[0]
-        self._n_ctx = (
-            min(wanted, trained) if trained else wanted
-        )  # mlx-lm's positions end at the trained context
+        # mlx-lm's positions end at the trained context: a longer one is reduced to it (said)
+        self._n_ctx = context_for(
+            self.name, self.config.model, self.config.context_length, info.context_length
+        )
         # a rotating cache (max_kv_size) has no window a prompt plus completion must fit
         self.context_length = self._n_ctx if self.options.max_kv_size is None else None
         self._template = template = hf_chat_template(path)

@@ -14,6 +14,7 @@ from unillm import ConfigError, ModelFormatError, ModelNotFound, OutOfMemory
 from unillm.backend import (
     Facts,
     available_ram_bytes,
+    context_for,
     hf_dir_in,
     kv_bytes_per_token,
     kv_dtype,
@@ -136,6 +137,8 @@ def engine_args(
         max_len, why_shorter = resolve_context(None, model.context_length)
         if why_shorter:
             notes.append(why_shorter)
+    elif max_len is not None and model is not None:  # vLLM refuses one past the trained context
+        max_len = context_for("vllm", str(path), max_len, model.context_length)
     args: dict[str, Any] = {
         "model": str(path),
         "max_model_len": max_len,
