@@ -361,10 +361,31 @@ def test_compare_flags_a_version_change(mock_result: dict[str, Any]) -> None:
     assert "engine changed: 1 -> 2" in flags and "unillm changed: 0.1.0 -> 9.9" in flags
 
 
-def test_the_table_and_the_plots(mock_result: dict[str, Any], tmp_path: Path) -> None:
+def test_the_table_and_the_plots(
+    mock_result: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.figure import Figure
+
+    from unillm.bench._report import plot_title
+
     text = table([mock_result])
     assert text.count("\n") == 3 and "| mock 1 | c=1 |" in text and "| c=2 |" in text
+    titles: list[str] = []
+    labels: list[str] = []
+    real_suptitle, real_ylabel = Figure.suptitle, __import__("matplotlib.axes").axes.Axes.set_ylabel
+    monkeypatch.setattr(
+        Figure, "suptitle", lambda self, t, **kw: titles.append(t) or real_suptitle(self, t, **kw)
+    )
+    monkeypatch.setattr(
+        "matplotlib.axes.Axes.set_ylabel",
+        lambda self, t, **kw: labels.append(t) or real_ylabel(self, t, **kw),
+    )
     paths = plot([mock_result], tmp_path)
+    meta = mock_result["metadata"]
+    title = plot_title([mock_result])
+    assert titles == [title, title]  # each figure says what it shows
+    assert meta["model"]["name"] in title and "mock 1" in title and meta["date"][:10] in title
+    assert "tokens/s" in labels and "ms" in labels  # each axis its unit
     assert [p.name for p in paths] == ["bench-cdf.png", "bench-sweep.png"]
     for p in paths:
         data = p.read_bytes()

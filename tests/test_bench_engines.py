@@ -58,7 +58,14 @@ def test_side_by_side_on_llama_cpp_and_mlx(tiny: Any, tmp_path: Path) -> None:
     backends = ["llama.cpp", *(["mlx"] if HAS_MLX else [])]
     out = tmp_path / "out"
     args = ["bench", str(tiny.root), "--backends", ",".join(backends), *WORKLOAD, "--context", "512"]
-    res = CliRunner().invoke(app, [*args, "--interleave", "--out", str(out)])
+    # each backend's own options: from a config file's table, and from --option BACKEND:KEY=VALUE
+    config = tmp_path / "engines.toml"
+    config.write_text('model = "unused"\n[backend_options.mlx]\nbatch_size = 2\n')
+    flags = ["--config", str(config), "--option", "llama.cpp:n_threads=1"]
+    if len(backends) > 1:  # a bare KEY=VALUE names no backend: refused before anything loads
+        bare = CliRunner().invoke(app, [*args, "--option", "n_threads=1", "--out", str(out)])
+        assert bare.exit_code == 2 and "write BACKEND:KEY=VALUE" in bare.output, bare.output
+    res = CliRunner().invoke(app, [*args, *flags, "--interleave", "--out", str(out)])
     assert res.exit_code == 0, res.output
     files = sorted(out.glob("bench-*.json"))
     assert len(files) == len(backends)
@@ -74,6 +81,9 @@ def test_side_by_side_on_llama_cpp_and_mlx(tiny: Any, tmp_path: Path) -> None:
         assert mem["peak_rss_bytes"] > 0 and mem["plan"]["total_bytes"] > 0
         assert r["levels"][0]["kv"]["capacity_tokens"]
     assert by_engine["llama.cpp"]["metadata"]["weights"]["format"] == "gguf"
+    assert by_engine["llama.cpp"]["metadata"]["engine"]["options"]["n_threads"] == 1
+    if HAS_MLX:
+        assert by_engine["mlx"]["metadata"]["engine"]["options"]["batch_size"] == 2
     if HAS_MLX:
         mlx = by_engine["mlx"]["metadata"]
         assert mlx["weights"]["format"] != "gguf" and mlx["weights"]["files"] == ["model.safetensors"]

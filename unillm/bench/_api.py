@@ -8,7 +8,7 @@ metadata is complete. Ctrl-C during a run ends it early: what was measured is re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,22 +183,25 @@ def bench_backends(
     price_per_hour: float | None = None,
     progress: Progress | None = None,
     interleave: bool = False,
+    options: Mapping[str, Any] | None = None,
+    backend_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The same workload on each of ``backends``, each loading ``model`` in its own format
     (``model_path_for``); a result per backend. A backend of None is the one ``auto_engine``
     selects. By default one backend runs all its levels, is closed, then the next loads;
     ``interleave`` loads them all and runs each level on each backend in turn, so that a shared
-    or throttling machine's drift falls on every backend alike (and needs the memory of all)."""
-    from unillm._choose._auto import auto_engine
-
+    or throttling machine's drift falls on every backend alike (and needs the memory of all).
+    ``options`` go to every backend, ``backend_options`` to the one each table names, as an
+    ``EngineConfig``'s (``options_for``); each result records the options its engine ran with."""
     wl = load_workload(workload)
     name = model_name or _name(Path(model))
+    opened = _opener(context_length, options, backend_options)
     if interleave:
-        return _interleaved(model, backends, wl, name, context_length, price_per_hour, progress)
+        return _interleaved(model, backends, wl, name, opened, price_per_hour, progress)
     out = []
     for backend in backends:
         path = model_path_for(model, backend) if backend is not None else Path(model)
-        engine = auto_engine(path, backend=backend, context_length=context_length)
+        engine = opened(path, backend)
         if backend is None:
             path = model_path_for(model, engine.name)
         try:
@@ -219,22 +222,39 @@ def bench_backends(
     return out
 
 
+def _opener(
+    context_length: int | None,
+    options: Mapping[str, Any] | None,
+    backend_options: Mapping[str, Mapping[str, Any]] | None,
+) -> Callable[[Path, str | None], Engine[Any]]:
+    """How each backend's engine is opened: ``auto_engine`` with the context and the options."""
+    from unillm._choose._auto import auto_engine
+
+    tables = {k: dict(v) for k, v in (backend_options or {}).items()}
+
+    def opened(path: Path, backend: str | None) -> Engine[Any]:
+        return auto_engine(
+            path, backend=backend, context_length=context_length, options=dict(options or {}) or None,
+            backend_options=tables,
+        )  # fmt: skip
+
+    return opened
+
+
 def _interleaved(
     model: str | Path,
     backends: Sequence[str | None],
     wl: BenchWorkload,
     name: str,
-    context_length: int | None,
+    opened: Callable[[Path, str | None], Engine[Any]],
     price_per_hour: float | None,
     progress: Progress | None,
 ) -> list[dict[str, Any]]:
-    from unillm._choose._auto import auto_engine
-
     engines: list[tuple[Engine[Any], Path]] = []
     try:
         for backend in backends:
             path = model_path_for(model, backend) if backend is not None else Path(model)
-            engine = auto_engine(path, backend=backend, context_length=context_length)
+            engine = opened(path, backend)
             engines.append((engine, model_path_for(model, engine.name)))
         benches = [_engine_bench(engine, wl, progress) for engine, _ in engines]
         interrupted = run_interleaved(benches, wl)

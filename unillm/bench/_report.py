@@ -68,10 +68,26 @@ def _records(level: dict[str, Any]) -> list[Any]:
     return [RequestRecord.from_dict(r) for r in level["records"]]
 
 
+def plot_title(results: Sequence[dict[str, Any]]) -> str:
+    """What a figure shows, on two lines: the model and the engines; the machine and the date."""
+    meta = results[0]["metadata"] if results else {}
+    model = (meta.get("model") or {}).get("name") or "model unknown"
+    engines = ", ".join(dict.fromkeys(label(r) for r in results)) or "no engine"
+    hw = meta.get("hardware") or {}
+    gpus = hw.get("gpus") or ()
+    device = (
+        f"{len(gpus)} x {gpus[0].get('name', 'GPU')}" if gpus
+        else f"{hw.get('cpu_model') or 'CPU unknown'}, {hw.get('cpu_cores', '?')} CPUs"
+    )  # fmt: skip
+    date = str(meta.get("date") or "")[:10] or "date unknown"
+    return f"{model} on {engines}\n{device} ({hw.get('os', '?')} {hw.get('arch', '?')}), {date}"
+
+
 def plot(results: Sequence[dict[str, Any]], directory: str | Path, *, stem: str = "bench") -> list[Path]:
     """Write ``STEM-cdf.png`` (latency CDFs, one line per engine and level) and, when the results
     sweep more than one level, ``STEM-sweep.png`` (output tok/s and p99 TTFT against the level,
-    one line per engine); the paths written."""
+    one line per engine); the paths written. Each figure is titled with the model, the engines,
+    the machine and the date (``plot_title``), each axis with its unit."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
@@ -98,6 +114,7 @@ def plot(results: Sequence[dict[str, Any]], directory: str | Path, *, stem: str 
         ax.set_title(f"{metric} CDF")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    fig.suptitle(plot_title(results), fontsize=10)
     fig.tight_layout()
     path = out_dir / f"{stem}-cdf.png"
     fig.savefig(path, dpi=100)
@@ -121,11 +138,15 @@ def plot(results: Sequence[dict[str, Any]], directory: str | Path, *, stem: str 
                 label=label(result),
             )
         kind = results[0]["levels"][0]["kind"]
-        for ax, title in ((left, "output tok/s"), (right, "p99 TTFT (ms)")):
-            ax.set_xlabel("concurrency" if kind == "concurrency" else "request rate (req/s)")
+        for ax, title, unit in ((left, "output tok/s", "tokens/s"), (right, "p99 TTFT (ms)", "ms")):
+            ax.set_xlabel(
+                "concurrency (requests at once)" if kind == "concurrency" else "request rate (req/s)"
+            )
+            ax.set_ylabel(unit)
             ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+        fig.suptitle(plot_title(results), fontsize=10)
         fig.tight_layout()
         path = out_dir / f"{stem}-sweep.png"
         fig.savefig(path, dpi=100)

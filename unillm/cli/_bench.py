@@ -154,6 +154,19 @@ def run_cmd(
         bool,
         typer.Option(help="Load every backend; run each level on each in turn (fairer on a shared machine)."),
     ] = False,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--option",
+            help="A backend's load option, BACKEND:KEY=VALUE (KEY=VALUE with one backend), repeatable.",
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="An engine config (TOML) whose options and [backend_options.<name>] tables load the engines."
+        ),
+    ] = None,
 ) -> None:
     """Run a benchmark; one JSON result per engine under --out, the table on stdout.
 
@@ -166,6 +179,10 @@ def run_cmd(
 
     if (model is None) == (url is None):
         raise _bad("give a MODEL (with --backends or --servers) or --url, one of them")
+    if (option or config) and (url is not None or servers is not None):
+        raise _bad(
+            "--option and --config load engines here: with MODEL (and --backends), not --url or --servers"
+        )
     if servers is not None and (backends is not None or url is not None):
         raise _bad("--servers compares servers on MODEL: not with --backends or --url")
     with _reported():
@@ -214,6 +231,7 @@ def run_cmd(
             else:
                 assert model is not None
                 names: list[str | None] = [b.strip() for b in (backends or "").split(",") if b.strip()]
+                options, tables = _bench_options(option, config, names)
                 results = bench_backends(
                     model,
                     names or [None],
@@ -222,6 +240,8 @@ def run_cmd(
                     price_per_hour=price_per_hour,
                     progress=update,
                     interleave=interleave,
+                    options=options,
+                    backend_options=tables,
                 )
         finally:
             if bar is not None:
@@ -275,3 +295,36 @@ def compare_cmd(
     if plots is not None:
         for path in plot(loaded, plots, stem="compare"):
             _console(stderr=True).print(f"wrote {path}", highlight=False)
+
+
+def _bench_options(
+    pairs: list[str] | None, config: Path | None, names: list[str | None]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(options for every backend, tables per backend) from --config's file and the --option
+    flags; ``BACKEND:KEY=VALUE`` goes to that backend's table, a bare ``KEY=VALUE`` to every
+    backend, which only one backend can take (another backend would refuse an option it lacks)."""
+    from unillm._types import normalize_name
+    from unillm.cli._run import _parse_options
+
+    options: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {}
+    if config is not None:
+        from unillm import read_config
+
+        cfg = read_config(config)
+        options.update(cfg.options)
+        tables = {k: dict(v) for k, v in cfg.backend_options.items()}
+    known = {normalize_name(n): n for n in names if n}
+    for pair in pairs or ():
+        head, sep, rest = pair.partition(":")
+        if sep and "=" not in head:  # BACKEND:KEY=VALUE
+            name = known.get(normalize_name(head), head)
+            tables.setdefault(name, {}).update(_parse_options([rest]))
+        elif len(names) > 1:
+            raise _bad(
+                f"--option {pair!r} names no backend, and {len(names)} run: write BACKEND:KEY=VALUE, "
+                f"e.g. --option {names[0]}:{pair}"
+            )
+        else:
+            options.update(_parse_options([pair]))
+    return options, tables
