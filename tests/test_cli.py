@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from unillm._choose._doctor import with_engine_builds
 from unillm.cli import app
 from unillm.testing import MockEngine, TinyModel
 
-from .conftest import needs_llama_cpp
+from .conftest import HAS_LLAMA_CPP, needs_llama_cpp
 
 runner = CliRunner()
 PROFILES = Path(__file__).parent / "profiles"
@@ -525,3 +526,43 @@ def test_the_script_exits_cleanly(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: ConfigError: unknown size 'huge'; choose one of small, bench"
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 64])
+def test_select_answers_as_auto_engine_chooses_on_a_multi_format_directory(
+    tiny: TinyModel, concurrency: int
+) -> None:
+    """One choice through every door: `unillm select` prints the backend auto_engine's own choice
+    (``choose``, what it loads first) takes for a directory holding a GGUF and an HF copy; at
+    concurrency 1 auto_engine is loaded and runs it (vLLM's start at 8 and 64 is left to
+    tests/test_parity.py, which loads it through this very choice)."""
+    from unillm import EngineConfig, auto_engine
+    from unillm._choose._auto import choose
+
+    out = runner.invoke(app, ["select", str(tiny.root), "--concurrency", str(concurrency)])
+    assert out.exit_code == 0, out.output
+    chosen = choose(EngineConfig(model=str(tiny.root), concurrency=concurrency)).selection
+    assert out.stdout.splitlines()[0] == chosen.backend
+    if HAS_LLAMA_CPP and importlib.util.find_spec("vllm") is not None:  # the field's rule: serving -> vLLM
+        assert chosen.backend == ("llama.cpp" if concurrency == 1 else "vllm")
+    if concurrency == 1 and HAS_LLAMA_CPP:
+        with auto_engine(tiny.root, concurrency=1) as engine:
+            assert engine.name == chosen.backend and engine.selection is not None
+            assert engine.selection.format == chosen.format == "gguf"
+
+
+@pytest.mark.parametrize("backend", ["mlx", "vllm", "llama.cpp"])
+def test_a_forced_backend_on_a_multi_format_directory_reads_its_own_format(
+    tiny: TinyModel, backend: str
+) -> None:
+    """Forcing a backend on a directory that holds both formats: it is judged on the format it
+    reads (no false "does not read gguf"), and the selection says which."""
+    from unillm import EngineConfig
+    from unillm._choose._auto import choose
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the selector sees a problem" warning
+        choice = choose(EngineConfig(model=str(tiny.root), backend=backend))
+    model = choice.facts[backend][0]
+    assert model.format == ("gguf" if backend == "llama.cpp" else "safetensors")
+    assert not any("does not read" in step for step in choice.selection.steps)

@@ -291,7 +291,8 @@ def _choose(
         # A forced backend may read what unillm cannot inspect (a plugin's own format, a model
         # name on a server): the backend itself reports a missing or unreadable model.
         try:
-            model: Any = remote or registry.inspect_model(cfg.model)
+            # a directory holding several formats: the one this backend reads
+            model: Any = remote or _format_for(cls, _inspect_all(cfg.model, registry))
         except (ModelFormatError, ModelNotFound):
             model = _ModelRef(cfg.model, "unknown")
         workload = workload_for(cfg, model)
@@ -489,6 +490,11 @@ def _inspect_all(path: str, registry: Registry) -> list[ModelInfo]:
         assert first_error is not None
         raise first_error
     return infos
+
+
+def _format_for(cls: type[Engine[Any]], infos: list[ModelInfo]) -> ModelInfo:
+    """Of the formats a model is held in, the first ``cls`` reads (else the first: it says why)."""
+    return next((i for i in infos if i.format in cls.formats), infos[0])
 
 
 def _rank(selection: Selection, registry: Registry, cfg: EngineConfig, serving: bool) -> tuple[float, bool]:
