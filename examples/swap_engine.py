@@ -1,23 +1,25 @@
-"""Swap the engine or the model through config and environment, not code.
+"""Swap the engine through config and environment, not code: one variable moves the same
+application from llama.cpp to MLX on the same model.
 
-    python examples/swap_engine.py [MODEL.gguf]
+    python examples/swap_engine.py [MODEL_DIR]
 
-The script writes a ``unillm.toml`` into a temporary folder (the model, the backend, and llama.cpp's
-own options in a ``[backend_options."llama.cpp"]`` table), then opens it with ``load_engine`` three
-times, as if the same application were started three ways:
+MODEL_DIR holds one model in two formats side by side (a GGUF file and an HF directory, as
+``unillm testing build-tiny`` writes them); each backend reads the one it can. The script writes a
+``unillm.toml`` into a temporary folder (the model directory, the backend, and each engine's own
+options in ``[backend_options.<name>]`` tables), then opens it with ``load_engine`` three times,
+as if the same application were started three ways:
 
-1. as the file says;
-2. with ``UNILLM_MODEL`` and ``UNILLM_BACKEND`` set, which override the file;
-3. with ``UNILLM_BACKEND`` naming a backend this machine lacks, which is refused with an error
-   that says so (the environment still wins over the file).
+1. as the file says (llama.cpp, reading the GGUF);
+2. with ``UNILLM_BACKEND=mlx``, which overrides the file: MLX reads the HF copy, with its own
+   table's options (on a machine without MLX, it is refused with the way to install it);
+3. with ``UNILLM_BACKEND`` naming a backend no one registered, refused with an error that says so.
 
-Without MODEL it uses unillm's tiny test model, built once into ``$UNILLM_CACHE``.
+Without MODEL_DIR it uses unillm's tiny test model, built once into ``$UNILLM_CACHE``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -27,12 +29,15 @@ from pathlib import Path
 from unillm import UnillmError, load_engine
 
 CONFIG = """\
-model = "model.gguf"          # relative paths are relative to this file
+model = "model"               # a directory holding a GGUF and an HF copy; relative to this file
 backend = "llama.cpp"
 context_length = 256
 
 [backend_options."llama.cpp"]
 n_threads = 1
+
+[backend_options.mlx]
+batch_size = 1
 """
 
 
@@ -75,24 +80,24 @@ def run(label: str, config: Path) -> None:
 def main(model: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        shutil.copyfile(model, folder / "model.gguf")
+        (folder / "model").symlink_to(model.resolve(), target_is_directory=True)
         config = folder / "unillm.toml"
         config.write_text(CONFIG, encoding="utf-8")
         print(f"{config}:\n{CONFIG}")
 
         with environment(UNILLM_MODEL=None, UNILLM_BACKEND=None):
             run("file", config)
-        with environment(UNILLM_MODEL=str(model), UNILLM_BACKEND="llama-cpp"):
-            run("UNILLM_MODEL + UNILLM_BACKEND", config)
+        with environment(UNILLM_MODEL=None, UNILLM_BACKEND="mlx"):
+            run("UNILLM_BACKEND=mlx", config)
         with environment(UNILLM_MODEL=None, UNILLM_BACKEND="no-such-engine"):
             run("UNILLM_BACKEND=no-such-engine", config)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        model_path = Path(sys.argv[1])
+        model_dir = Path(sys.argv[1])
     else:
         from unillm.testing import tiny_model
 
-        model_path = tiny_model().gguf_path
-    main(model_path)
+        model_dir = tiny_model().root  # the GGUF and the HF directory side by side
+    main(model_dir)

@@ -76,6 +76,8 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/backends/exllamav2.md", 'pip install "unillm[exllamav2]"'): "an installation command",
     ("docs/backends/vllm.md", 'pip install "unillm[vllm]"'): "installation commands",
     ("docs/configuration.md", "python app.py"): "app.py stands for the user's own program",
+    ("README.md", "UNILLM_BACKEND=mlx python app.py"): "app.py stands for the user's own program; "
+    "examples/swap_engine.py makes the same swap and tests/test_examples.py runs it",
     ("docs/models.md", "Qwen2.5-7B-Instruct-AWQ"): "names real AWQ, MLX and 7B repos the loopback hub "
     "does not hold (their weights are gigabytes); tests/test_hub.py makes the same call on the tiny "
     "model's f32, GGUF and MLX 4-bit copies",

@@ -69,19 +69,25 @@ def test_quickstart_takes_a_model_path(env: dict[str, str], tmp_path: Path) -> N
 @needs_llamacpp
 @pytest.mark.llamacpp
 def test_swap_engine_env_overrides_the_file(env: dict[str, str]) -> None:
+    """One variable (UNILLM_BACKEND) moves the same config from llama.cpp to MLX on one directory
+    holding both formats; each engine gets its own table's options."""
     out = run([str(EXAMPLES / "swap_engine.py")], env)
     lines = {m[0]: m[1] for m in re.findall(r"^\[([^\]]+)\] (.*)$", out, re.MULTILINE)}
-    assert set(lines) == {"file", "UNILLM_MODEL + UNILLM_BACKEND", "UNILLM_BACKEND=no-such-engine"}
+    assert set(lines) == {"file", "UNILLM_BACKEND=mlx", "UNILLM_BACKEND=no-such-engine"}
 
     from_file = lines["file"]
     assert "ran on backend llama.cpp (chosen by config)" in from_file
-    assert re.search(r"model \S+/model\.gguf,", from_file)  # relative to the TOML file
+    assert re.search(r"model \S+/model,", from_file)  # relative to the TOML file
     assert "options {'n_threads': 1}" in from_file  # the [backend_options."llama.cpp"] table
 
-    overridden = lines["UNILLM_MODEL + UNILLM_BACKEND"]
-    assert "ran on backend llama.cpp (chosen by environment)" in overridden
-    assert f"model {env['UNILLM_CACHE']}" in overridden  # UNILLM_MODEL beat the file's model
-    assert "options {'n_threads': 1}" in overridden
+    swapped = lines["UNILLM_BACKEND=mlx"]
+    if importlib.util.find_spec("mlx_lm") is not None:
+        assert "ran on backend mlx (chosen by environment)" in swapped
+        assert re.search(r"model \S+/model,", swapped)  # the same directory: MLX reads its HF copy
+        assert "options {'batch_size': 1}" in swapped  # its own table, not llama.cpp's
+        assert swapped.endswith(": 8 tokens") and from_file.endswith(": 8 tokens")
+    else:
+        assert swapped.startswith("refused: BackendUnavailable:")
 
     refused = lines["UNILLM_BACKEND=no-such-engine"]
     assert refused.startswith("refused: UnknownBackend:") and "'no-such-engine'" in refused
