@@ -311,6 +311,21 @@ def test_a_batch_of_prompts_with_n_choices_streamed_or_not(server: Server, oai: 
 
 
 @needs_llama_cpp
+def test_n_choices_stream_where_one_request_runs_at_a_time(guarded: Server) -> None:
+    """On a server that runs one request at a time, n streamed choices take the slot in turn: the
+    response starts with the first, and the second runs once the first has ended (a response that
+    waited for every choice's first token would wait forever on a slot nobody frees)."""
+    client = openai.OpenAI(base_url=guarded.v1, api_key=KEY, max_retries=0, timeout=60)
+    texts = ["", ""]
+    events = client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=6, n=2, temperature=0,
+                                            stream=True)  # fmt: skip
+    for event in events:
+        for c in event.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] != ""
+
+
+@needs_llama_cpp
 def test_echo_best_of_and_max_tokens_zero_do_what_openai_does(oai: openai.OpenAI, engine: Any) -> None:
     """echo puts the prompt before the answer (a token-id prompt detokenized); max_tokens 0 counts
     the prompt and generates nothing; best_of n picks the candidate of the highest mean log

@@ -299,9 +299,9 @@ def test_errors_reach_the_client_as_its_exceptions(setup: Setup) -> None:
     with pytest.raises(openai.BadRequestError) as big:
         client.completions.create(model="tiny", prompt="x", max_tokens=CONTEXT + 1)
     assert big.value.param == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as n:
-        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, stream=True)
-    assert n.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as best:  # ranks whole candidates: not streamed
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, best_of=2, stream=True)
+    assert best.value.param == "best_of"
     with pytest.raises(openai.BadRequestError) as tl:  # alternatives need logprobs: true
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, top_logprobs=2)
     assert tl.value.param == "top_logprobs"
@@ -324,8 +324,16 @@ def test_errors_reach_the_client_as_its_exceptions(setup: Setup) -> None:
                 )
             assert mt.value.param == "min_tokens" and mt.value.code == "unsupported_parameter"
             assert "mlx" in mt.value.message
-    # the server still answers after all that
+    # the server still answers after all that; n choices stream side by side, on an engine that
+    # runs one request at a time too (MLX single: the second waits for the first's slot)
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    texts = ["", ""]
+    events = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, temperature=0,
+                                            stream=True)  # fmt: skip
+    for event in events:
+        for c in event.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] != ""  # greedy: the same answer twice
 
 
 async def _concurrent(

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 
 from unillm._types import Chunk, Completion
 from unillm.server._errors import ApiError
-from unillm.server._generate import nothing, stream
+from unillm.server._generate import fits, nothing, stream
 from unillm.server._openai_logprobs import completion_logprobs
 from unillm.server._openai_wire import Framing, finish_reason, folded, seeded, sse, summed, whole
 from unillm.server._request import check_common, dumps, engine_for, openai_sampling, record_of
@@ -71,6 +71,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         streams = [await nothing(engine, p, params, body.echo) for p in prompts for _ in range(n)]
         echoes = None  # the text is the echo already
     else:
+        for p in prompts:  # every prompt of a batch fits, before any of them takes a place in the queue
+            await fits(engine, p, params)
         streams = [stream(state, slot, engine, p, q, record) for p in prompts for q in seeded(params, best)]
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs is not None

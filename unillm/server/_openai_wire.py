@@ -123,16 +123,16 @@ async def sse(
     keep_empty: bool = False,
     per_prompt: int = 1,
 ) -> Any:
-    """A streaming response of ``streams`` (one per choice, in index order) whose first tokens are
-    there already (or whose refusal was raised). ``event(i, chunk)`` writes choice i's token
-    event; ``opening(i)`` its first event, if any; ``keep_empty`` keeps events of no text (the
-    tokens' logprobs are asked for)."""
-    try:
-        firsts = await unless_gone(request, _gathered([anext(s) for s in streams]))
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
+    """A streaming response of ``streams`` (one per choice, in index order), started once a first
+    token is there (or its refusal raised, for the HTTP status). ``event(i, chunk)`` writes choice
+    i's token event; ``opening(i)`` its first event, if any; ``keep_empty`` keeps events of no
+    text (the tokens' logprobs are asked for).
+
+    Several streams are all read from the start, side by side: an engine that runs fewer at once
+    than there are choices (one at a time) gives the next its slot when the one before ends, so
+    the response waits for the first token of any, never for every first token (that would wait
+    on a slot held by a stream nobody reads). A refusal after the response began (a full queue
+    for a later choice) is an error event."""
 
     def piece(i: int, chunk: Chunk) -> str:
         if chunk.finish_reason is None:
@@ -141,68 +141,91 @@ async def sse(
         keep = chunk.text or (keep_empty and chunk.token_ids)
         return (event(i, chunk) if keep else "") + framing.finish(i, chunk)
 
-    async def one() -> AsyncIterator[str]:
-        (chunks,), chunk = streams, firsts[0]
+    if len(streams) == 1:
+        (chunks,) = streams
         try:
-            if opening is not None:
-                yield opening(0)
-            while True:
-                if chunk.finish_reason is not None:
-                    yield piece(0, chunk) + framing.usage(chunk.usage) + DONE
-                    return
-                yield piece(0, chunk)
-                chunk = await anext(chunks)
-        except Exception as exc:
-            yield error_event(exc)
-        finally:
+            first = await unless_gone(request, anext(chunks))
+        except BaseException:
             await chunks.aclose()
+            raise
+
+        async def one() -> AsyncIterator[str]:
+            chunk = first
+            try:
+                if opening is not None:
+                    yield opening(0)
+                while True:
+                    if chunk.finish_reason is not None:
+                        yield piece(0, chunk) + framing.usage(chunk.usage) + DONE
+                        return
+                    if text := piece(0, chunk):
+                        yield text
+                    chunk = await anext(chunks)
+            except Exception as exc:
+                yield error_event(exc)
+            finally:
+                await chunks.aclose()
+
+        return StreamingResponse(one(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, chunks: AsyncGenerator[Chunk, None]) -> None:
+        try:
+            async for chunk in chunks:
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))  # ended (after its finish chunk)
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+
+    async def stop() -> None:
+        for task in pumps:
+            task.cancel()
+        for task in pumps:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for s in streams:
+            await s.aclose()
+
+    try:
+        head = await unless_gone(request, queue.get())
+        if isinstance(head[1], BaseException):
+            raise head[1]
+    except BaseException:
+        await stop()
+        raise
 
     async def many() -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[int, Chunk | BaseException]] = asyncio.Queue()
-
-        async def pump(i: int, chunks: AsyncGenerator[Chunk, None]) -> None:
-            try:
-                async for chunk in chunks:
-                    queue.put_nowait((i, chunk))
-            except Exception as exc:
-                queue.put_nowait((i, exc))
-
-        pumps: list[asyncio.Task[None]] = []
         usages: list[Usage | None] = [None] * len(streams)
-        left = len(streams)
+        ended = [False] * len(streams)
+        got: tuple[int, Chunk | BaseException | None] = head
         try:
             if opening is not None:
                 yield "".join(opening(i) for i in range(len(streams)))
-            out = []
-            for i, chunk in enumerate(firsts):
-                out.append(piece(i, chunk))
-                if chunk.finish_reason is not None:
-                    usages[i], left = chunk.usage, left - 1
-                else:
-                    pumps.append(asyncio.create_task(pump(i, streams[i])))
-            yield "".join(out)
-            while left:
-                i, got = await queue.get()
-                if isinstance(got, BaseException):
-                    yield error_event(got)
+            while True:
+                i, item = got
+                if isinstance(item, BaseException):
+                    yield error_event(item)
                     return
-                if got.finish_reason is not None:
-                    usages[i], left = got.usage, left - 1
-                yield piece(i, got)
+                if item is None:
+                    ended[i] = True
+                    if all(ended):
+                        break
+                else:
+                    if item.finish_reason is not None:
+                        usages[i] = item.usage
+                    if text := piece(i, item):
+                        yield text
+                got = await queue.get()
             known = [u for u in usages if u is not None]
             total = summed(known, per_prompt) if len(known) == len(usages) else None
             yield framing.usage(total) + DONE
         finally:
-            for task in pumps:
-                task.cancel()
-            for task in pumps:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for s in streams:
-                await s.aclose()
+            await stop()
 
-    body = one() if len(streams) == 1 else many()
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(many(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def seeded(params: SamplingParams, n: int) -> list[SamplingParams]:
