@@ -31,6 +31,7 @@ from unillm import (
     ConfigError,
     ContextLengthExceeded,
     EngineClosed,
+    InvalidTools,
     ModelFormatError,
     OutOfMemory,
     SamplingParams,
@@ -715,3 +716,21 @@ def test_regex_and_choice_formats_are_enforced(engine: Any) -> None:
             max_tokens=20,
         )  # fmt: skip
         assert picked.text in choices, (seed, picked)
+
+
+def test_a_template_without_tools_is_refused_in_llama_cpps_words(engine: Any, tiny: TinyModel) -> None:
+    """vLLM renders a chat through its tokenizer, llama.cpp through unillm's sandbox: a template
+    that shows the model no tools is refused by both in one wording (``tools_not_rendered``), the
+    model named as each was given it."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+    def said(e: Any, model: str) -> str:
+        with pytest.raises(InvalidTools) as err:
+            e.chat([{"role": "user", "content": "hi"}], tools=[tool], max_tokens=2)
+        assert err.value.field == "tools"
+        return str(err.value).replace(repr(model), "MODEL")
+
+    words = said(engine, str(tiny.hf_dir))
+    assert "MODEL" in words and "does not render tools" in words
+    with load_engine({"model": str(tiny.gguf_path), "backend": "llama.cpp"}) as llama:
+        assert said(llama, str(tiny.gguf_path)) == words

@@ -49,7 +49,7 @@ from unillm._chat._sandbox import (
     _Limit,
 )
 from unillm._chat._tools import InvalidTools
-from unillm._errors import ModelFormatError, UnillmError
+from unillm._errors import ConfigError, ModelFormatError, UnillmError
 from unillm._types import ChatMessage
 
 if TYPE_CHECKING:
@@ -61,9 +61,11 @@ __all__ = [
     "check_chat_template",
     "compile_error",
     "compile_error_types",
+    "no_chat_template",
     "render_chat_template",
     "template_message",
     "template_takes_tools",
+    "tools_not_rendered",
 ]
 
 
@@ -148,6 +150,26 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def tools_not_rendered(source: str | None = None) -> InvalidTools:
+    """The one refusal of tools a chat template would not show the model, on every backend (the
+    template ``source`` names, when known)."""
+    where = f" of {source!r}" if source else ""
+    return InvalidTools(
+        "tools",
+        f"the chat template{where} does not render tools (it reads no 'tools' variable), so the "
+        "model would never see them; pass a chat_template that does in the engine config "
+        "(docs/structured.md, Tool calling)",
+    )
+
+
+def no_chat_template(model: str) -> ConfigError:
+    """The one error of a chat asked of a model without a chat template, on every backend."""
+    return ConfigError(
+        f"{model!r} has no chat template; pass chat_template='...' (a Jinja template) in the engine "
+        "config, or use generate() with a plain prompt"
+    )
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[ChatMessage],
@@ -179,12 +201,7 @@ def render_chat_template(
     }
     if tools:
         if not template_takes_tools(template):
-            raise InvalidTools(
-                "tools",
-                f"the chat template{where} does not render tools (it reads no 'tools' variable), so "
-                "the model would never see them; pass a chat_template that does in the engine config "
-                "(docs/structured.md, Tool calling)",
-            )
+            raise tools_not_rendered(source)
         variables["tools"] = [dict(t) for t in tools]
     token = _BUDGET.set(_Budget(deadline=monotonic() + RENDER_DEADLINE_S))
     try:

@@ -568,7 +568,7 @@ def render(
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """``Engine.render_chat``: ``tools`` already read (``read_tools``)."""
-    from unillm._chat._template import render_chat_template
+    from unillm._chat._template import no_chat_template, render_chat_template
 
     if isinstance(messages, (str, bytes, Mapping)) or not hasattr(messages, "__iter__"):
         raise ConfigError(
@@ -587,10 +587,7 @@ def render(
     finally:
         engine._leave()
     if template is None:
-        raise ConfigError(
-            f"{engine.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
-            "template) in the engine config, or use generate() with a plain prompt"
-        )
+        raise no_chat_template(engine.config.model)
     source = "the engine config's chat_template" if engine.config.chat_template else engine.config.model
     return render_chat_template(
         template, msgs, add_generation_prompt=add_generation_prompt, source=source, tools=tools, **special

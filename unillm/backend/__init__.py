@@ -40,6 +40,7 @@ The model's files, read the same way by every engine
     ``hf_chat_template``, ``gguf_chat_template`` (the model's chat template, one rule);
     ``check_chat_template`` (a model's template compiled in the sandbox at load),
     ``compile_error``, ``compile_error_types``, ``template_message``, ``template_takes_tools``;
+    ``no_chat_template``, ``tools_not_rendered`` (the refusals every backend words alike);
     ``Messages``, ``Tools`` (a chat request's shapes) and ``read_tools``.
 
 Structured output, LoRA, builds
@@ -67,8 +68,10 @@ from unillm._chat._template import (
     check_chat_template,
     compile_error,
     compile_error_types,
+    no_chat_template,
     template_message,
     template_takes_tools,
+    tools_not_rendered,
 )
 from unillm._chat._tools import read_tools
 from unillm._choose._guide import GuideEntry
@@ -171,6 +174,8 @@ __all__ = [
     "shared_prefix",
     "template_message",
     "template_takes_tools",
+    "no_chat_template",
+    "tools_not_rendered",
     "tensor_parallel_ok",
     "top_k_logprobs",
     "unenforced",

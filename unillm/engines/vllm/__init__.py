@@ -51,7 +51,6 @@ from unillm import (
     ConfigError,
     EngineClosed,
     GenerationError,
-    InvalidTools,
     UnillmError,
 )
 from unillm.backend import (
@@ -74,9 +73,11 @@ from unillm.backend import (
     hf_chat_template,
     hf_token_bytes,
     host_loop,
+    no_chat_template,
     read_tools,
     template_message,
     template_takes_tools,
+    tools_not_rendered,
 )
 from unillm.engines.vllm._args import READS, engine_args, kv_bytes, kv_cache_dtype_name, model_dir
 from unillm.engines.vllm._build import vllm_build
@@ -390,15 +391,11 @@ class VLLMEngine(Engine[VLLMOptions]):
             raise ConfigError("chat() needs at least one message")
         template = self.config.chat_template or self._template
         if template is None:
-            raise ConfigError(
-                f"{self.config.model!r} has no chat template; pass chat_template='...' (a Jinja "
-                "template) in the engine config, or use generate() with a plain prompt"
-            )
+            raise no_chat_template(self.config.model)
         spec = read_tools(tools) if tools else None
         if spec is not None and not template_takes_tools(template):
-            raise InvalidTools(
-                "tools", "the chat template does not render tools; pass a chat_template that does"
-            )
+            source = "the engine config's chat_template" if self.config.chat_template else self.config.model
+            raise tools_not_rendered(source)
         try:
             text = self._tok.apply_chat_template(
                 [template_message(m) for m in msgs],
