@@ -71,8 +71,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         streams = [await nothing(engine, p, params, body.echo) for p in prompts for _ in range(n)]
         echoes = None  # the text is the echo already
     else:
-        for p in prompts:  # every prompt of a batch fits, before any of them takes a place in the queue
-            await fits(engine, p, params)
+        for each in prompts:  # every prompt of a batch fits, before any of them takes a place in the queue
+            await fits(engine, each, params)
         streams = [stream(state, slot, engine, p, q, record) for p in prompts for q in seeded(params, best)]
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     want_lp = body.logprobs is not None
