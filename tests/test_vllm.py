@@ -514,16 +514,8 @@ def test_unsupported_architecture_is_a_format_error(tiny: TinyModel, tmp_path: P
         load_engine({"model": str(odd), "backend": "vllm", "backend_options": {"vllm": OPTIONS}})
 
 
-def test_a_context_longer_than_the_model_was_trained_for_is_refused(tiny: TinyModel) -> None:
-    with pytest.raises(ConfigError, match="max_model_len=8192"):
-        load_engine(
-            {
-                "model": str(tiny.hf_dir),
-                "backend": "vllm",
-                "context_length": 8192,  # the tiny model's max_position_embeddings is 4096
-                "backend_options": {"vllm": OPTIONS},
-            }
-        )
+# A context longer than the model was trained for is no longer refused: it is reduced to the trained
+# one with a warning (one policy, every engine); tests/test_vllm_adapter.py checks vLLM's arguments.
 
 
 def test_a_kv_cache_too_small_for_one_sequence_is_out_of_memory(tiny: TinyModel) -> None:

@@ -145,7 +145,7 @@ def inspect_model(model: str | os.PathLike[str], *, hardware: Hardware | None = 
     """What a model is, read from headers only (never the weights), as ``unillm inspect`` reads it.
 
     ``model`` is a ``.gguf`` file (any part of a split set), a ``.safetensors`` file, a model
-    directory (a plugin's own format is read by its ``unillm_inspect_model``), or a Hugging Face
+    directory, or a Hugging Face
     name, ``org/name[@revision][:QUANT]``, resolved as ``auto_engine`` resolves it: from the cache
     when its files are there, else from the hub's file list and headers (range requests: nothing
     is downloaded). Of a repo with several GGUF files and no tag, the one chosen for ``hardware``
@@ -156,8 +156,10 @@ def inspect_model(model: str | os.PathLike[str], *, hardware: Hardware | None = 
     """
     from unillm._types import EngineConfig
 
-    if parse_model_name(model) is None:
-        return default_registry().inspect_model(os.fspath(model))
+    if parse_model_name(model) is None:  # a path: unillm's own reading (a plugin's hook calls this)
+        from unillm._inspect import inspect_model as read_headers
+
+        return read_headers(os.fspath(model))
     return model_info(EngineConfig(model=str(model)), hardware=hardware)  # type: ignore[no-any-return]
 
 
