@@ -75,9 +75,14 @@ def weigh(name: str, choice: Any) -> Weighed:
     return Weighed(name, runs[0].name, info, the_plan.fits, the_plan.total_bytes, the_plan.headroom_bytes)
 
 
+def _order(weighed: list[Weighed]) -> list[int]:
+    """The variants' indices, highest precision first."""
+    return sorted(range(len(weighed)), key=lambda i: weighed[i].precision, reverse=True)
+
+
 def pick(weighed: list[Weighed], where: str) -> tuple[int, str]:
     """The index of the variant to load, and why it won. ``where`` is the workload in words."""
-    order = sorted(range(len(weighed)), key=lambda i: weighed[i].precision, reverse=True)
+    order = _order(weighed)
     runnable = [i for i in order if weighed[i].backend is not None]
     if not runnable:
         return 0, "no installed backend runs any of them: the first, whose selection says why"
@@ -98,7 +103,7 @@ def pick(weighed: list[Weighed], where: str) -> tuple[int, str]:
 
 def ranked_lines(weighed: list[Weighed], chosen: int, why: str) -> list[str]:
     """The variants as ``explain()`` lists them, highest precision first, the chosen one marked."""
-    order = sorted(range(len(weighed)), key=lambda i: weighed[i].precision, reverse=True)
+    order = _order(weighed)
     return (
         ["variants (highest precision first, * chosen):"]
         + [f"  {weighed[i].line(i == chosen)}" for i in order]
