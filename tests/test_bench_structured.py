@@ -38,14 +38,20 @@ def test_the_structured_output_benchmark_runs_on_llama_cpp(tmp_path: Path) -> No
     n = llama["tokens_constrained"]
     assert n > 1
     # the unconstrained run is held to the constrained count, and the engine's call runs the same
-    # grammar greedily: all three generate exactly n tokens, the two constrained ones the same text
-    assert {name: row["tokens"] for name, row in llama["contenders"].items()} == {
+    # llguidance grammar greedily: all three generate exactly n tokens, the constrained ones the same
+    # text; llama.cpp's own grammar (another compiler) is timed beside them
+    tokens = {name: row["tokens"] for name, row in llama["contenders"].items()}
+    assert tokens.pop("create_completion(grammar=)")[0] > 1
+    assert tokens == {
         "unillm unconstrained": [n],
         "unillm constrained": [n],
-        "create_completion(grammar=)": [n],
+        "create_completion + llguidance": [n],
     }
     assert llama["same_text_unillm_and_engine"] is True
-    for key in ("constrained_vs_unconstrained_speed", "unillm_vs_engine_constrained_speed"):
+    for key in (
+        "constrained_vs_unconstrained_speed", "unillm_vs_engine_constrained_speed",
+        "llguidance_vs_llama_cpp_grammar_speed",
+    ):  # fmt: skip
         assert llama[key]["median"] > 0
     assert all(sec > 0 for sec in llama["compile"].values())
     assert len(llama["loadavg_per_round"]) == 1

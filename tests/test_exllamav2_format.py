@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from tests.test_structured import REFUSAL, UNENFORCEABLE
 from unillm import BackendUnavailable, ConfigError, SamplingParams, UnsupportedParameter
 from unillm._structured import output_format
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV, ExLlamaV2Engine
@@ -271,8 +272,11 @@ def test_no_format_adds_no_filter(engine: ExLlamaV2Engine) -> None:
 
 def test_a_schema_llguidance_cannot_compile_is_refused_at_the_call(engine: ExLlamaV2Engine) -> None:
     before = engine._generator.job_serial
-    with pytest.raises(ConfigError, match="llguidance cannot enforce"):
+    with pytest.raises(ConfigError, match="cannot be enforced"):
         engine.stream("x", response_format={"type": "object", "properties": {"a": {"$ref": "#/nope"}}})
+    with pytest.raises(ConfigError) as err:  # in the words of every other engine
+        engine.stream("x", response_format=UNENFORCEABLE)
+    assert str(err.value) == REFUSAL
     assert engine._generator.job_serial == before  # no job was made
 
 

@@ -240,7 +240,8 @@ def test_a_json_schema_response_format_is_enforced(oai: openai.OpenAI, stream: b
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-BOUNDED = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 1}}}
+UNIQUE = {"type": "array", "uniqueItems": True}  # no engine enforces it: refused alike
+UNENFORCEABLE = {"type": "json_schema", "json_schema": {"name": "n", "schema": UNIQUE}}
 NO_SCHEMA = {"type": "json_schema", "json_schema": {}}
 LONG = "hello " * (CONTEXT + 100)
 
@@ -394,7 +395,7 @@ def test_echo_best_of_and_max_tokens_zero_do_what_openai_does(oai: openai.OpenAI
         ({"extra_body": {"frobnicate": 1}}, openai.BadRequestError, "frobnicate"),
         ({"top_logprobs": 2}, openai.BadRequestError, "top_logprobs"),  # without logprobs: true
         ({"tools": [TOOL]}, openai.BadRequestError, "tools"),
-        ({"response_format": BOUNDED}, openai.BadRequestError, "response_format"),
+        ({"response_format": UNENFORCEABLE}, openai.BadRequestError, "response_format"),
         ({"response_format": NO_SCHEMA}, openai.BadRequestError, "response_format"),
         ({"messages": [{"role": "user", "content": LONG}]}, openai.BadRequestError, None),
         ({"messages": [{"role": "user", "content": LONG}], "stream": True}, openai.BadRequestError, None),

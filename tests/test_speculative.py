@@ -91,7 +91,11 @@ def test_llamacpp_draft_with_a_grammar_keeps_the_format(tiny: TinyModel, llama: 
     output is the constrained one, only the drafts are mostly rejected."""
     from unillm.engines.llamacpp import LlamaCppEngine
 
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     params = SamplingParams(temperature=0.0, max_tokens=40, response_format=fmt)
     opts = {"n_threads": 2, "draft_model": str(tiny.gguf_path)}

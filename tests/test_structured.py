@@ -1,5 +1,6 @@
 """Structured output: reading ``response_format`` in every shape, parsing and validating what
-came back, and llama.cpp enforcing it through its grammar sampler on the tiny model.
+came back, the one compiler's keyword table, and llama.cpp and MLX enforcing formats through
+llguidance on the tiny model (the same refusal, word for word, on each; tests/test_vllm.py: vLLM).
 
 The tiny model's weights are random, so at temperature 1 what it writes is noise: any output that
 validates does so because the constraint made it, which is what these tests are about.
@@ -10,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import subprocess
-import sys
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import hypothesis.strategies as st
@@ -54,6 +55,23 @@ ORDER_SCHEMA: dict[str, Any] = {
 
 
 JSON_OBJECT = {"type": "json_object"}
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 3, "maximum": 9},
+        "x": {"type": "integer", "minimum": -5, "maximum": 0},
+    },
+    "required": ["n", "x"],
+    "additionalProperties": False,
+}
+#: a keyword no engine's constraint enforces: refused by every one in the same words
+UNENFORCEABLE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+REFUSAL = (
+    'response_format cannot be enforced: Unimplemented keys: ["uniqueItems"]. unillm enforces the same '
+    "JSON Schema keywords on every engine (docs/structured.md lists them): drop this one and check it "
+    "after parsing"
+)
 
 
 class Item(BaseModel):
@@ -185,7 +203,58 @@ def test_unenforced_names_each_keyword_and_where_it_is() -> None:
     ) == ["/: format 'email'"]
 
 
-# ---- llama.cpp: the grammar sampler ----
+#: JSON Schema 2020-12's validation and applicator keywords, and format: each has its row in the docs
+KEYWORDS_2020_12 = frozenset(
+    {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum"}
+    | {"maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains"}
+    | {"minContains", "maxProperties", "minProperties", "required", "dependentRequired", "prefixItems"}
+    | {"items", "contains", "additionalProperties", "properties", "patternProperties", "dependentSchemas"}
+    | {"propertyNames", "if", "then", "else", "allOf", "anyOf", "oneOf", "not", "unevaluatedItems"}
+    | {"unevaluatedProperties", "format", "$ref", "$defs"}
+)
+
+
+def test_the_keyword_table_in_the_docs_is_what_the_one_compiler_does() -> None:
+    from unillm.backend.llguidance import check
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "structured.md").read_text()
+    rows = re.findall(r"^\| `(.+?)` \| `(\{.*\})` \| (enforced|refused) \|$", text, re.MULTILINE)
+    named = {k for keyword, _, _ in rows for k in keyword.split("` / `")}
+    assert named == KEYWORDS_2020_12, named ^ KEYWORDS_2020_12
+    for keyword, example, verdict in rows:
+        fmt = output_format(json.loads(example))
+        assert fmt is not None
+        if verdict == "enforced":
+            check(fmt)
+        else:
+            with pytest.raises(ConfigError, match="cannot be enforced: Unimplemented keys") as err:
+                check(fmt)
+            assert f'"{keyword.split("` / `")[0]}"' in str(err.value), (keyword, err.value)
+
+
+def test_unillm_closes_object_schemas_that_do_not_say_otherwise() -> None:
+    from unillm.backend.llguidance import closed
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {}}}, "c": {"type": "object"}},
+        "$defs": {
+            "d": {"patternProperties": {"^x": {}}},
+            "e": {"properties": {}, "additionalProperties": True},
+        },
+        "anyOf": [{"properties": {"f": {}}}],
+    }
+    got = closed(schema)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"]["c"]  # no properties listed: any object
+    assert got["$defs"]["d"]["additionalProperties"] is False
+    assert got["$defs"]["e"]["additionalProperties"] is True  # what the schema says is kept
+    assert got["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not touched
+
+
+# ---- llama.cpp: llguidance's mask at the head of the sampler chain ----
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +312,7 @@ def test_json_object_mode_gives_objects(llama: Any) -> None:
 
 
 def test_strings_never_hold_control_characters(llama: Any) -> None:
-    # llama-cpp-python's converter lets them through; JSON forbids them (json.loads refuses them)
+    # JSON forbids them (json.loads refuses them); llama-cpp-python's grammar converter let them through
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 24}}, "required": ["s"]}
     for seed in range(20):
         done = llama.generate("x", temperature=1.0, seed=seed, max_tokens=120, response_format=schema)
@@ -260,12 +329,20 @@ def test_a_stream_yields_the_same_constrained_text(llama: Any) -> None:
     assert output_format(ORDER_SCHEMA) is not None
 
 
-def test_a_schema_the_grammar_would_not_enforce_is_refused_at_the_call(llama: Any) -> None:
-    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
-    with pytest.raises(UnsupportedParameter, match="minimum"):
-        llama.generate("x", response_format=bounded)  # generate, not the first token of a stream
-    with pytest.raises(UnsupportedParameter, match="format 'email'"):
-        llama.stream("x", response_format={"type": "string", "format": "email"})
+def test_numeric_bounds_hold_at_temperature_1(llama: Any) -> None:
+    # llama.cpp's own grammar converter refused minimum/maximum; through llguidance they hold
+    for seed in range(8):
+        done = llama.generate("n:", response_format=BOUNDED, temperature=1.0, seed=seed, max_tokens=60)
+        value = done.parsed()
+        assert 3 <= value["n"] <= 9 and -5 <= value["x"] <= 0, done.text
+
+
+def test_a_format_that_cannot_be_enforced_is_refused_at_the_call(llama: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        llama.generate("x", response_format=UNENFORCEABLE)  # generate, not the first token of a stream
+    assert str(err.value) == REFUSAL
+    with pytest.raises(ConfigError, match="Unknown format"):
+        llama.stream("x", response_format={"type": "string", "format": "colour"})
 
 
 def test_a_backend_without_it_refuses_whatever_the_policy(tiny: TinyModel) -> None:
@@ -280,39 +357,7 @@ def test_a_backend_without_it_refuses_whatever_the_policy(tiny: TinyModel) -> No
             engine.generate("x", response_format={"type": "json_object"})
 
 
-def test_a_grammar_llama_cpp_cannot_parse_is_an_error_not_a_crash(tiny: TinyModel) -> None:
-    pytest.importorskip("llama_cpp")
-    script = f"""
-import unillm.engines.llamacpp._grammar as g
-from unillm import ConfigError
-from unillm.engines.llamacpp import LlamaCppEngine
-g.grammar_for = lambda fmt: 'root ::= ("a" | '
-with LlamaCppEngine(model={str(tiny.gguf_path)!r}, context_length=256) as e:
-    try:
-        e.generate("x", max_tokens=4, response_format={{"type": "json_object"}})
-    except ConfigError as exc:
-        print("refused:", exc)
-    print("alive:", e.generate("x", max_tokens=2, temperature=0.0).finish_reason)
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "refused: llama.cpp could not build a grammar" in out.stdout
-    assert "alive: length" in out.stdout
-
-
 # ---- MLX: llguidance's matcher limits the sampler ----
-
-BOUNDED = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "integer", "minimum": 3, "maximum": 9},
-        "x": {"type": "integer", "minimum": -5, "maximum": 0},
-    },
-    "required": ["n", "x"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["mlx", "mlx-batched"])
@@ -364,6 +409,9 @@ def test_mlx_concurrent_requests_each_keep_their_own_format(mlx: Any) -> None:
     assert sum(d.finish_reason == "stop" for d in done) >= 2, [d.text for d in done]
 
 
-def test_mlx_a_schema_llguidance_cannot_compile_is_refused_at_the_call(mlx: Any) -> None:
-    with pytest.raises(ConfigError, match="llguidance cannot enforce"):
+def test_mlx_refuses_what_llama_cpp_refuses_in_the_same_words(mlx: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        mlx.stream("x", response_format=UNENFORCEABLE)
+    assert str(err.value) == REFUSAL
+    with pytest.raises(ConfigError, match="cannot be enforced"):
         mlx.stream("x", response_format={"type": "object", "properties": {"a": {"$ref": "#/nope"}}})

@@ -1,7 +1,6 @@
-"""Regex and choice formats: read once, enforced by each engine's own mechanism (llama.cpp's
-grammar for choices, llguidance on MLX, vLLM's structured outputs; tests/test_vllm.py has vLLM's),
-refused where the mechanism cannot enforce them, never ignored. Random weights at temperature 1
-over many seeds make this a test of the constraint, not of the model."""
+"""Regex and choice formats: read once, enforced through llguidance on every engine (llama.cpp one
+sequence at a time and batched, MLX; tests/test_vllm.py has vLLM's), never ignored. Random weights
+at temperature 1 over many seeds make this a test of the constraint, not of the model."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from unillm import ConfigError, SamplingParams, UnsupportedParameter
+from unillm import ConfigError, SamplingParams
 from unillm._structured import StructuredOutputError, output_format
 from unillm.testing import TinyModel
 
@@ -65,15 +64,16 @@ def test_parse_checks_the_whole_text() -> None:
         choice.parse("ye")
 
 
-# ---- llama.cpp: choices through its grammar; regexes refused ----
+# ---- llama.cpp: llguidance enforces both, one sequence at a time and batched ----
 
 
-@pytest.fixture(scope="module")
-def llama(tiny: TinyModel) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=[1, 4], ids=["llama.cpp", "llama.cpp-batched"])
+def llama(request: pytest.FixtureRequest, tiny: TinyModel) -> Iterator[Any]:
     pytest.importorskip("llama_cpp")
     from unillm.engines.llamacpp import LlamaCppEngine
 
-    with LlamaCppEngine(model=str(tiny.gguf_path), context_length=512, options={"n_threads": 1}) as engine:
+    opts = {"n_threads": 1, "parallel": request.param}
+    with LlamaCppEngine(model=str(tiny.gguf_path), context_length=512, options=opts) as engine:
         yield engine
 
 
@@ -90,9 +90,16 @@ def test_llama_cpp_every_output_is_one_of_the_choices(llama: Any) -> None:
     assert len(seen) >= 2  # sampled, not a constant: the grammar allows each choice
 
 
-def test_llama_cpp_refuses_a_regex_at_the_call(llama: Any) -> None:
-    with pytest.raises(UnsupportedParameter, match="not regular expressions"):
-        llama.stream("x", response_format={"type": "regex", "pattern": PATTERN})
+def test_llama_cpp_every_output_matches_the_regex(llama: Any) -> None:
+    seen = set()
+    for seed in range(12):
+        done = llama.generate(
+            "Code:", temperature=1.0, seed=seed, max_tokens=40,
+            response_format={"type": "regex", "pattern": PATTERN},
+        )  # fmt: skip
+        assert re.fullmatch(PATTERN, done.text) and done.finish_reason == "stop", (seed, done)
+        seen.add(done.text)
+    assert len(seen) >= 3
 
 
 # ---- MLX: llguidance enforces both ----

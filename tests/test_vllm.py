@@ -27,6 +27,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from tests.test_structured import BOUNDED, REFUSAL, UNENFORCEABLE
 from unillm import (
     ConfigError,
     ContextLengthExceeded,
@@ -657,7 +658,7 @@ def test_tensor_parallel_two_on_cpu_gives_the_same_greedy_tokens(engine: Any, ti
         tp2.close()
 
 
-# ---- structured output: vLLM's own structured-output backend enforces response_format ----
+# ---- structured output: llguidance through vLLM's guidance backend, as on every engine ----
 
 
 def test_every_output_under_a_schema_validates(engine: Any) -> None:
@@ -673,23 +674,24 @@ def test_every_output_under_a_schema_validates(engine: Any) -> None:
     # random weights write long numbers and strings, so not every output ends within max_tokens
     # (about half did while vLLM's grammar still admitted free whitespace; unillm asks for compact)
     assert finished >= 4, finished
-    # a model class gives its instance; bounds llama.cpp's grammar refuses, vLLM enforces
-    bounded = {
-        "type": "object",
-        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}},
-        "required": ["n"],
-    }
+    # a model class gives its instance; numeric bounds hold, as on llama.cpp and MLX
     orders = numbers = 0
     for seed in range(8):
         done = engine.generate("Order:", response_format=Order, temperature=1.0, seed=seed, max_tokens=300)
         if done.finish_reason == "stop":
             assert isinstance(done.parsed(), Order)
             orders += 1
-        done = engine.generate("n:", response_format=bounded, temperature=1.0, seed=seed, max_tokens=64)
-        if done.finish_reason == "stop":
-            assert 3 <= done.parsed()["n"] <= 9
-            numbers += 1
-    assert orders >= 1 and numbers >= 2, (orders, numbers)
+        done = engine.generate("n:", response_format=BOUNDED, temperature=1.0, seed=seed, max_tokens=64)
+        value = done.parsed()  # every one: two bounded integers end well within max_tokens
+        assert 3 <= value["n"] <= 9 and -5 <= value["x"] <= 0, done.text
+        numbers += 1
+    assert orders >= 1 and numbers == 8, (orders, numbers)
+
+
+def test_a_format_no_engine_enforces_is_refused_in_the_same_words(engine: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        engine.stream("x", response_format=UNENFORCEABLE)  # at the call, not the first token
+    assert str(err.value) == REFUSAL  # word for word what llama.cpp and MLX say
 
 
 def test_regex_and_choice_formats_are_enforced(engine: Any) -> None:

@@ -44,8 +44,10 @@ The model's files, read the same way by every engine
     ``Messages``, ``Tools`` (a chat request's shapes) and ``read_tools``.
 
 Structured output, LoRA, builds
-    ``OutputFormat`` and ``unenforced`` (schema keywords an engine's grammar would not enforce);
-    ``llguidance`` (a matcher over an engine's tokenizer: ``Guide``, ``allowed``); ``lora``
+    ``OutputFormat`` and ``unenforced`` (schema keywords a plugin's own grammar would not enforce);
+    ``llguidance``, the one constraint compiler of the built-ins (``check``: refused in one wording;
+    ``closed``: unillm's additional-properties rule; ``grammar``; ``Guide``: matchers over an
+    engine's tokenizer; ``allowed``: a matcher's mask); ``lora``
     (``one_adapter``, ``peft_adapter``, ``peft_config``); ``builds`` (``package_dir``,
     ``dist_version``, ``gpu_vendors``: what ``probe_build`` needs without importing the engine);
     ``EngineMemory``, the memory model a backend declares for the planner; ``warn`` (a

@@ -22,11 +22,9 @@ import numpy as np
 from exllamav2.generator.filters import ExLlamaV2Filter
 
 from unillm.backend import OutputFormat
-from unillm.backend.llguidance import Guide, allowed
+from unillm.backend.llguidance import INSTALL, Guide, allowed
 
 __all__ = ["FormatFilter", "Formats"]
-
-INSTALL = "pip install 'llguidance>=1.7,<1.8' (the version unillm tests)"
 
 
 class FormatFilter(ExLlamaV2Filter):  # type: ignore[misc]

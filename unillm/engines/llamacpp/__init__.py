@@ -54,7 +54,7 @@ from unillm.backend import (
 from unillm.backend.lora import one_adapter
 from unillm.engines.llamacpp._batch import Batcher, Event, Job, context_params, finished
 from unillm.engines.llamacpp._draft import Speculation, check_request, load_drafter, no_step
-from unillm.engines.llamacpp._grammar import add_grammar, eog_ids, grammar_for
+from unillm.engines.llamacpp._format import Formats
 from unillm.engines.llamacpp._load import (
     LlamaLog,
     check_fits,
@@ -98,7 +98,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     memory = LLAMACPP_MEMORY
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=STANDARD_SAMPLING | {"response_format"},  # through llama.cpp's grammar sampler
+        sampling=STANDARD_SAMPLING | {"response_format"},  # through llguidance (engines/llamacpp/_format.py)
         lora=True,
         devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
         speculative=True,
@@ -240,7 +240,6 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         self._llm: Llama = llm
         self._draft = load_drafter(llama_cpp, opts.draft_model, opts.num_draft_tokens, kwargs, llm)
         self._vocab = llm._model.vocab
-        self._eog: frozenset[int] | None = None  # llama.cpp's end-of-generation set, on first use
         self._n_vocab = llm.n_vocab()
         # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token record
         # by the requested n_ctx: the usable context is the smaller of the two.
@@ -273,6 +272,8 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             to_id=self._one_token,
             vocab_size=self._n_vocab,
         )
+        # response formats through llguidance over llama.cpp's vocabulary (built on first use)
+        self._formats = Formats(self._vocab, self._n_vocab, self.eos_token_ids)
         bos = llm.token_bos()
         self._bos_text = llm.detokenize([bos], special=True).decode("utf-8", "replace") if bos >= 0 else ""
         self._perf = llama_cpp.llama_perf_context
@@ -295,7 +296,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             ids = list(prompt)  # the base class checked the ids against the vocabulary
         check_prompt(ids, self._n_ctx, params.max_tokens)
         if (fmt := params.output_format) is not None:
-            grammar_for(fmt)  # refused at the call, not at the first token
+            self._formats.check(fmt)  # refused at the call, not at the first token
         check_request(self._draft, params)  # what speculative decoding cannot do
         return ids
 
@@ -336,7 +337,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         loop directly, with no thread per request in between."""
         batcher = self._batcher
         assert batcher is not None  # only a batching engine streams natively
-        if params.response_format is not None:  # its grammar compiles off the loop
+        if params.response_format is not None:  # its matcher compiles off the loop
             job, read = await asyncio.to_thread(self._job, ids, params, req)
         else:
             job, read = self._job(ids, params, req)
@@ -356,7 +357,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         req.prompt_tokens = len(ids)
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         if params.response_format is not None:
-            stop_ids |= self._eog_ids()  # as on the one-sequence path: a finished grammar ends here
+            stop_ids |= self._formats.eos  # as on the one-sequence path: a complete format ends
 
         def started(cached: int) -> None:
             req.cached_tokens = cached
@@ -415,9 +416,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         # the model's declared end-of-sequence set, never llama.cpp's guess by token name
         stop_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         if params.response_format is not None:
-            # a finished grammar allows only llama.cpp's end-of-generation tokens, and accepting
-            # anything after it aborts the process: every one of them ends the output
-            stop_ids |= self._eog_ids()
+            stop_ids |= self._formats.eos  # a complete format allows only these: they end it
         want_lp, k = params.logprobs is not None, params.logprobs or 0
         max_tokens = min(params.max_tokens, self._n_ctx - n_prompt)
         n = 0
@@ -483,7 +482,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         fmt = params.output_format
         if fmt is not None:  # first in the chain: every later sampler sees only allowed tokens
             try:
-                add_grammar(s, self._vocab, fmt)
+                self._formats.add(s, fmt)
             except BaseException:
                 s.close()
                 raise
@@ -510,11 +509,6 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         s.add_temp(params.temperature)
         s.add_dist(seed if seed is not None else 0xFFFFFFFF)  # LLAMA_DEFAULT_SEED: random
         return s
-
-    def _eog_ids(self) -> frozenset[int]:
-        if self._eog is None:
-            self._eog = eog_ids(self._vocab, self._n_vocab)
-        return self._eog
 
     def _one_token(self, text: str) -> int | None:
         ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)

@@ -4,7 +4,7 @@ One context holds ``parallel`` sequences in a unified KV cache (``n_seq_max``, `
 every step is one ``llama_decode`` over a batch holding the next token of each sequence that is
 decoding and, in the room left under ``n_batch``, chunks of the prompts still being prefilled, so a
 long prompt shares steps with the running streams instead of stalling them. Each sequence samples
-from its own row of the step's logits with its own sampler chain (seed, penalties, bias, grammar),
+from its own row of the step's logits with its own sampler chain (seed, penalties, bias, format),
 so its tokens do not depend on what else is in the batch; a finished or cancelled sequence frees
 its cells at once.
 

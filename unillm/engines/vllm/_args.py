@@ -80,11 +80,11 @@ def model_dir(model: str, facts: Facts) -> tuple[Path, Facts]:
     return path, facts
 
 
-#: response formats through llguidance in compact JSON, as MLX and ExLlamaV2 enforce them: vLLM's
-#: default grammars admit JSON's free whitespace, which a model can write for ever (random weights
-#: do), and vLLM reads the switch from its engine config only (the request's
-#: StructuredOutputsParams.disable_any_whitespace is not read). An object schema that does not say
-#: whether other properties are allowed allows none, as under vLLM's default grammar (xgrammar).
+#: response formats through llguidance, the compiler every built-in backend uses, in compact JSON:
+#: vLLM's default grammars admit JSON's free whitespace, which a model can write for ever (random
+#: weights do), and vLLM reads the switch from its engine config only (the request's
+#: StructuredOutputsParams.disable_any_whitespace is not read). Schemas arrive closed by unillm's rule
+#: (``unillm.backend.llguidance.closed``), which vLLM's own additional-properties switch repeats.
 #: ``engine_args={"structured_outputs_config": ...}`` replaces it.
 COMPACT_JSON = {"backend": "guidance", "disable_any_whitespace": True, "disable_additional_properties": True}
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from unillm import ConfigError
 from unillm.backend import TopLogprobs
+from unillm.backend.llguidance import check, closed
 
 if TYPE_CHECKING:
     from unillm.backend import RequestState, SamplingParams
@@ -31,13 +32,14 @@ def sampling_params(v: VLLMModules, params: SamplingParams, eos_token_ids: froze
     if not params.ignore_eos:
         stop_ids |= eos_token_ids
     structured = None
-    if (fmt := params.output_format) is not None:  # enforced by vLLM's structured-output backend
+    if (fmt := params.output_format) is not None:  # enforced by vLLM's guidance backend (_args.py)
+        check(fmt, "vLLM")  # refused at the call in the words every backend uses
         if fmt.kind == "regex":
             structured = v.StructuredOutputsParams(regex=fmt.pattern)
         elif fmt.kind == "choice":
             structured = v.StructuredOutputsParams(choice=list(fmt.choices))
         elif fmt.kind == "json_schema":
-            structured = v.StructuredOutputsParams(json=fmt.json_schema)
+            structured = v.StructuredOutputsParams(json=closed(fmt.json_schema))  # unillm's rule
         else:
             structured = v.StructuredOutputsParams(json_object=True)
     try:
