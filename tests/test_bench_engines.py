@@ -129,6 +129,12 @@ def test_http_run_against_unillm_serve(unillm_server: Any, tiny: Any, tmp_path: 
     kv = result["levels"][0]["kv"]  # from the server's /metrics
     assert kv["prefix_cache_queries"] > 0 and kv["prefix_cache_hits"] is not None
     assert kv["peak_usage"] is not None and 0 < kv["peak_usage"] <= 1
+    # the server's memory from its own /metrics (unillm:resident_memory_bytes), not this process's
+    from unillm.bench._targets import rss_bytes
+
+    peak, server_now = result["levels"][0]["memory"]["peak_rss_bytes"], rss_bytes(unillm_server.proc.pid)
+    assert peak is not None and server_now is not None
+    assert 0.5 < peak / server_now < 2, (peak, server_now, rss_bytes())
     path = write_result(result, tmp_path / "http.json")
     assert missing_metadata(json.loads(path.read_text())["metadata"]) == []
 

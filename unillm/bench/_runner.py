@@ -204,6 +204,8 @@ class Bench:
             if rss is not None:
                 level.peak_rss_bytes = max(level.peak_rss_bytes or 0, rss)
             kv = await self.target.kv()
+            if kv is not None and target.process is None and kv.get("rss_bytes"):  # a server's own
+                level.peak_rss_bytes = max(level.peak_rss_bytes or 0, kv["rss_bytes"])
             if kv is not None:
                 used, usage = kv.get("used_tokens"), kv.get("usage")
                 if used is not None:

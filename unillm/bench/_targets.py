@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -36,7 +37,8 @@ STRUCTURED_SCHEMA: dict[str, Any] = {
 
 
 _METRIC = re.compile(
-    r"^(?:vllm|unillm|sglang):(?P<name>kv_cache_usage_perc|prefix_cache_(?:queries|hits)(?:_total)?)"
+    r"^(?:(?:vllm|unillm|sglang):(?P<name>kv_cache_usage_perc|prefix_cache_(?:queries|hits)(?:_total)?"
+    r"|resident_memory_bytes)|(?P<process>process_resident_memory_bytes))"
     r"(?:\{[^}]*\})?\s+(?P<value>[-+0-9.eE]+|NaN)\s*$",
     re.MULTILINE,
 )
@@ -193,7 +195,7 @@ class HttpTarget(Target):
         )
         self._no_metrics = False
         self.sample_every_s = 0.5  # a scrape is a request the server serves too
-        self.process = None  # the server's memory is not this process's: unknown unless told
+        self.process = None  # the server's memory is not this process's: read from its /metrics
         self.output_enforcement = (
             "none: structured output ends where the format does"
             if workload.structured
@@ -313,16 +315,20 @@ class HttpTarget(Target):
             return None
         found: dict[str, float] = {}
         for m in _METRIC.finditer(resp.text):
-            key = m["name"].removesuffix("_total")
+            key = (m["name"] or m["process"]).removesuffix("_total")
             found[key] = found.get(key, 0.0) + float(m["value"])
         if not found:
             self._no_metrics = True
             return None
         q, h = found.get("prefix_cache_queries"), found.get("prefix_cache_hits")
+        # the server's memory: unillm serve's with its engine's processes, else the serving
+        # process's own (Prometheus' process collector); unknown when it exports neither
+        rss = found.get("resident_memory_bytes", found.get("process_resident_memory_bytes"))
         return {
             "usage": found.get("kv_cache_usage_perc"),
             "prefix_cache_queries": int(q) if q is not None else None,
             "prefix_cache_hits": int(h) if h is not None else None,
+            "rss_bytes": int(rss) if rss is not None and not math.isnan(rss) else None,
         }
 
     async def models(self) -> list[str]:

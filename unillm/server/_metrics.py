@@ -8,10 +8,11 @@ of its own: two servers in one process never share counts.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -74,9 +75,39 @@ class Metrics:
             registry=r,
         )
         r.register(_PoolCollector(pool))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and the rest, where /proc is
+        tree = Gauge(
+            "unillm:resident_memory_bytes",
+            "Resident memory of the server and the processes it started (an engine's own workers).",
+            registry=r,
+        )
+        tree.set_function(_tree_rss)
 
     def labels(self, alias: str, backend: str) -> _Bound:
         return _Bound(self, alias, backend)
+
+
+def _tree_rss(pid: int | None = None) -> float:
+    """The resident bytes of process ``pid`` (this one) and its descendants, read from /proc; NaN
+    where /proc cannot tell (macOS), so a scrape never invents a figure."""
+    pid = os.getpid() if pid is None else pid
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/statm", encoding="ascii") as f:
+                total += int(f.read().split()[1]) * page
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children", encoding="ascii") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return float("nan")
+    return float(total)
 
 
 class _Bound:
