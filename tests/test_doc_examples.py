@@ -65,6 +65,9 @@ DOC_FILES: dict[str, tuple[str, str]] = {
 
 # Blocks that are not run, keyed by (page, text found in exactly one of its runnable blocks).
 NOT_RUN: dict[tuple[str, str], str] = {
+    ("docs/plugins.md", "# tests/test_conformance.py"): "a test module: run under pytest with its "
+    "conftest by test_the_plugin_conformance_example_runs_with_its_fixtures",
+    ("docs/plugins.md", "# tests/conftest.py"): "the conformance example's fixtures: the same test",
     ("README.md", "scripts/demo.sh"): "demo.sh runs scripts/bootstrap.sh (an install) first; "
     "test.sh runs the whole suite, this test among it",
     ("docs/index.md", "scripts/demo.sh"): "the same block as README.md's",
@@ -365,3 +368,33 @@ def test_doc_example_runs(
         )
         env = environment(cache, {**doc_hub, **run.env, **assignments})
         execute([PYTHON, "-m", "unillm", *words[1:]], tmp_path, env, run, f"{block.id}: {command!r}")
+
+
+def test_the_plugin_conformance_example_runs_with_its_fixtures(
+    doc_model: tuple[TinyModel, Path], tmp_path: Path
+) -> None:
+    """docs/plugins.md's conformance module and conftest, as shown, under pytest: the kit against a
+    built-in standing in for the plugin (MLX, on the tiny model's HF directory) with llama.cpp as
+    the parity reference. Only ``BACKEND`` changes: the page's ``MyEngine`` is a skeleton."""
+    pytest.importorskip("mlx_lm")
+    pytest.importorskip("llama_cpp")
+    _, cache = doc_model
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_conformance.py").write_text(find("docs/plugins.md", "# tests/test_conformance.py").code)
+    conftest = find("docs/plugins.md", "# tests/conftest.py").code
+    run = Run("a built-in stands for the plugin", replace=(('BACKEND = "myengine"', 'BACKEND = "mlx"'),))
+    (tests / "conftest.py").write_text(applied(conftest, run))
+    argv = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env=environment(cache, {}), capture_output=True, text=True,
+        timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    from unillm.testing import Conformance
+
+    rules = sum(name.startswith("test_") for name in dir(Conformance))
+    ran = re.search(r"(\d+) passed(?:, (\d+) skipped)?", proc.stdout)
+    assert ran and int(ran[1]) + int(ran[2] or 0) == rules, tail  # every rule of the kit ran
+    assert int(ran[1]) >= rules - 2, tail  # MLX passes all but what it cannot apply
