@@ -199,10 +199,14 @@ def test_a_response_format_is_sent_and_the_server_enforces_it(engine: OpenAIHTTP
             finished += 1
             assert isinstance(done.parsed(), Thing), done.text
     assert finished >= 4, finished
-    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
-    with pytest.raises(ServerRefused) as info:  # unillm serve's llama.cpp refuses what it cannot enforce
-        engine.generate("x", response_format=bounded)
-    assert info.value.status == 400 and "minimum" in str(info.value)
+    unique = {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(ServerRefused) as info:  # unillm serve refuses what no engine enforces
+        engine.generate("x", response_format=unique)
+    assert info.value.status == 400 and "uniqueItems" in str(info.value)
+    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    for seed in range(3):  # bounds, which llama.cpp's grammar once refused, hold through the server
+        value = engine.generate("x", response_format=bounded, temperature=1.0, seed=seed, max_tokens=40)
+        assert 1 <= value.parsed().get("n", 1) <= 9, value.text
 
 
 def test_refuses_what_it_cannot_send(engine: OpenAIHTTPEngine) -> None:

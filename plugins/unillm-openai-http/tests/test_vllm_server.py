@@ -195,7 +195,7 @@ def test_a_response_format_is_enforced_by_the_server(engine: OpenAIHTTPEngine) -
         assert isinstance(done.parsed(), Thing), done.text  # every answer parses
     bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}}}
     done = engine.generate("n:", response_format={**bounded, "required": ["n"]}, temperature=1.0, seed=1)
-    assert 3 <= done.parsed()["n"] <= 9, done.text  # bounds llama.cpp's grammar refuses, enforced
+    assert 3 <= done.parsed()["n"] <= 9, done.text  # bounds, enforced as on every engine
     unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     with pytest.raises(ServerRefused) as info:  # valid JSON Schema that llguidance cannot enforce: 400
         engine.generate("x", response_format=unique)
