@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -153,7 +153,22 @@ ANNOTATIONS = frozenset(
 )
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMAS = (
+    "items", "additionalProperties", "not", "if", "then", "else", "contains", "additionalItems",
+    "propertyNames", "unevaluatedProperties",
+)  # fmt: skip
+
+
+def subschemas(node: Mapping[str, Any]) -> Iterator[Any]:
+    """The schemas directly inside schema ``node`` (under ``properties``, ``anyOf``, ``items``,
+    ...), in the order :func:`unenforced` walks them; what is not a schema is passed over."""
+    for key, value in node.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            yield from value.values()
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            yield from value
+        elif key in _SUBSCHEMAS:
+            yield from value if isinstance(value, list) else [value]
 
 
 def unenforced(schema: Any, enforced: frozenset[str], formats: frozenset[str] = frozenset()) -> list[str]:

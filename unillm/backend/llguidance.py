@@ -30,14 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from unillm._errors import BackendUnavailable, ConfigError
-from unillm._structured import OutputFormat
+from unillm._structured import OutputFormat, subschemas
 
 __all__ = ["INSTALL", "Guide", "allowed", "check", "closed", "grammar"]
 
 INSTALL = "pip install 'llguidance>=1.7,<1.8' (the version unillm tests)"
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not", "if", "then")
-_SUBS_MORE = ("else", "contains", "additionalItems", "propertyNames", "unevaluatedProperties")
 
 
 def closed(schema: Any) -> Any:
@@ -49,19 +46,10 @@ def closed(schema: Any) -> Any:
 
 
 def _close(node: Any) -> None:
-    if isinstance(node, list):
-        for item in node:
-            _close(item)
-        return
     if not isinstance(node, dict):
         return
-    for key in _MAPS:
-        if isinstance(sub := node.get(key), dict):
-            for value in sub.values():
-                _close(value)
-    for key in _SUBS + _SUBS_MORE:
-        if isinstance(sub := node.get(key), (dict, list)):
-            _close(sub)
+    for sub in subschemas(node):
+        _close(sub)
     if "additionalProperties" not in node and (
         isinstance(node.get("properties"), dict) or isinstance(node.get("patternProperties"), dict)
     ):
