@@ -217,6 +217,18 @@ class EngineConfig(Validated):
     goal: Literal["latency", "throughput", "cost", "portability"] | None = Field(
         default=None, description="What to optimize when selecting a backend. Default latency."
     )
+    task: Literal["generate", "embed", "rerank"] | None = Field(
+        default=None,
+        description="What the engine is loaded for: generate text, embed texts into vectors, or "
+        "rerank documents (a cross-encoder). Default: what the model is (an embedding model, "
+        "one with a sentence-transformers pooling or a GGUF pooling type, loads for embed), "
+        "else generate (docs/embeddings.md).",
+    )
+    pooling: Literal["mean", "last", "cls"] | None = Field(
+        default=None,
+        description="How an embedding engine pools token states into one vector. Default: the "
+        "model's (its sentence-transformers pooling config or GGUF pooling type), else last.",
+    )
     lora: str | dict[str, str] | None = Field(
         default=None,
         description="A LoRA adapter applied to every request (its path), or several by name "

@@ -30,10 +30,14 @@ __all__ = [
     "Chunk",
     "Completion",
     "Cost",
+    "Embeddings",
     "EngineConfig",
     "Fallback",
     "FinishReason",
     "KVStats",
+    "Pooling",
+    "Ranked",
+    "Reranked",
     "SamplingParams",
     "Suitability",
     "Timings",
@@ -42,6 +46,8 @@ __all__ = [
     "normalize_name",
 ]
 
+#: How token states become one vector (docs/embeddings.md): their mean, the last token's, the first's.
+Pooling = Literal["mean", "last", "cls"]
 #: "tool_calls": the model called a tool (``Completion.tool_calls``); it stopped to let it run.
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 
@@ -250,6 +256,88 @@ class KVStats:
         return self.used_tokens / self.capacity_tokens
 
 
+class Embeddings:
+    """Vectors of a batch of inputs, in their order: ``vectors`` as lists of floats, ``array()`` as
+    one float32 numpy array (rows: inputs), ``usage.prompt_tokens`` the tokens embedded. The
+    ``pooling`` used, whether the vectors are ``normalized`` (unit length) and their ``dimensions``
+    travel with them."""
+
+    __slots__ = ("_array", "_lists", "dimensions", "normalized", "pooling", "truncated", "usage")
+
+    def __init__(
+        self,
+        vectors: Any,
+        usage: Usage,
+        pooling: Pooling,
+        normalized: bool,
+        *,
+        truncated: tuple[int, ...] = (),
+    ) -> None:
+        self._array = vectors if hasattr(vectors, "shape") else None
+        self._lists: list[list[float]] | None = None
+        if self._array is not None:
+            self.dimensions = int(self._array.shape[1])
+        else:
+            self._lists = [list(v) for v in vectors]
+            self.dimensions = len(self._lists[0]) if self._lists else 0
+        self.usage = usage
+        self.pooling = pooling
+        self.normalized = normalized
+        self.truncated = truncated  # indices of the inputs cut to the context (truncate=True)
+
+    @property
+    def vectors(self) -> list[list[float]]:
+        if self._lists is None:
+            self._lists = self._array.tolist()  # type: ignore[union-attr]
+        return self._lists
+
+    def array(self) -> Any:
+        """The vectors as a (inputs x dimensions) float32 numpy array."""
+        if self._array is None:
+            import numpy as np
+
+            self._array = np.asarray(self._lists, dtype=np.float32).reshape(len(self), self.dimensions)
+        return self._array
+
+    def __len__(self) -> int:
+        return len(self._lists) if self._lists is not None else int(self._array.shape[0])  # type: ignore[union-attr]
+
+    def __getitem__(self, i: int) -> list[float]:
+        return self.vectors[i]
+
+    def __iter__(self) -> Any:
+        return iter(self.vectors)
+
+    def __repr__(self) -> str:
+        return (
+            f"Embeddings({len(self)} x {self.dimensions}, pooling={self.pooling!r}, "
+            f"normalized={self.normalized}, prompt_tokens={self.usage.prompt_tokens})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """One document of a rerank: its ``index`` in the documents given and its ``score`` (the
+    model's relevance logit; higher is more relevant)."""
+
+    index: int
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reranked:
+    """A rerank's results, most relevant first (``top_n`` of them when asked), and its usage."""
+
+    results: tuple[Ranked, ...]
+    usage: Usage
+
+    def __iter__(self) -> Any:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+
 #: Every sampling parameter but ``response_format``: what a full-featured local engine honours.
 #: ``top_logprobs`` is ``logprobs`` above 0 (the alternatives beside the chosen token's logprob),
 #: declared on its own: a backend may give the chosen token's logprob only.
@@ -275,7 +363,8 @@ class Capabilities:
     token_ids: bool = True
     batching: bool = False
     lora: bool = False
-    embeddings: bool = False
+    embeddings: bool = False  # embed() with task="embed" (docs/embeddings.md)
+    rerank: bool = False  # rerank() with task="rerank": a cross-encoder's scores
     devices: frozenset[str] = frozenset({"cpu"})
     # speculative decoding with a draft model (the ``draft_model`` load option)
     speculative: bool = False

@@ -527,10 +527,13 @@ def _machine() -> Hardware | None:
 
 
 def workload_for(cfg: EngineConfig, model: Any) -> Workload:
-    """The workload ``cfg`` asks of ``model``: its context (``resolve_context``), concurrency and
-    goal."""
+    """The workload ``cfg`` asks of ``model``: its context (``resolve_context``), concurrency,
+    goal and task (the config's, else the model's: an embedding model loads for embed)."""
     context, _ = resolve_context(cfg.context_length, getattr(model, "context_length", None))
-    return Workload(context_length=context, concurrency=cfg.concurrency or 1, goal=cfg.goal or "latency")
+    task = cfg.task or getattr(model, "task", None) or "generate"
+    return Workload(
+        context_length=context, concurrency=cfg.concurrency or 1, goal=cfg.goal or "latency", task=task
+    )
 
 
 def _plan(model: Any, hardware: Hardware | None, workload: Workload, engine: Any = None) -> Plan | None:

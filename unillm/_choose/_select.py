@@ -122,6 +122,8 @@ def select(
             reasons, blockers, score = list(fit.reasons), list(fit.blockers), float(fit.score)
         except Exception as exc:  # a plugin's bug must not break selection
             reasons, blockers, score = [], [f"its suitability check failed: {exc!r}"], 0.0
+        if (refused := task_refusal(info.cls, model, workload)) is not None:
+            blockers.append(refused)
         extra, entry = bonus(info.name, entries)
         score += extra
         if entry is not None and entry.reason:
@@ -167,6 +169,18 @@ def select(
             )
     selection.answers = _ten_questions(hardware, model, workload, plan, chosen)
     return selection
+
+
+def task_refusal(cls: type[Engine[Any]], model: Any, workload: Workload | None) -> str | None:
+    """Why ``cls`` cannot load for the workload's task (embed, rerank), or None."""
+    task = getattr(workload, "task", "generate")
+    caps = cls.capabilities
+    if task == "embed" and not caps.embeddings:
+        why = "the model is an embedding model" if getattr(model, "task", None) == "embed" else "task='embed'"
+        return f"computes no embeddings ({why})"
+    if task == "rerank" and not caps.rerank:
+        return "runs no rerankers (task='rerank')"
+    return None
 
 
 def _suitability(cls: type[Engine[Any]], hardware: Any, model: Any, workload: Any, plan: Plan | None) -> Any:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from unillm._chat._tools import InvalidTools, ToolSpec, parse_tool_calls, read_tools
 from unillm._contract._checks import check_text, check_token_ids
+from unillm._contract._embed import EmbedJob, check_rerank, check_task, rank
 from unillm._contract._facts import Facts
 from unillm._contract._lifetime import GUARDED, Lifetime, guarded
 from unillm._contract._run import (
@@ -49,9 +50,12 @@ from unillm._types import (
     Chunk,
     Completion,
     Cost,
+    Embeddings,
     EngineConfig,
     Fallback,
     KVStats,
+    Pooling,
+    Reranked,
     SamplingParams,
     Suitability,
 )
@@ -308,6 +312,102 @@ class Engine(Lifetime, Generic[P]):
     vocab_size: int | None = None
     #: The context window in tokens (prompt plus completion), once loaded (backends set it).
     context_length: int | None = None
+    #: What the engine was loaded for: "generate", "embed" or "rerank" (a backend that embeds sets
+    #: it at load from ``unillm.backend.task_for``; docs/embeddings.md).
+    task: str = "generate"
+    #: How an embedding engine pools (``unillm.backend.pooling_for`` at load).
+    pooling: Pooling = "last"
+    #: The longest input ``embed`` takes, in tokens (None: the context window).
+    max_embed_tokens: int | None = None
+    #: Whether ``_embed`` pools any way per call (else only the loaded ``pooling``).
+    pools_per_call: ClassVar[bool] = False
+
+    # ---- embeddings and rerank (docs/embeddings.md): a backend writes _embed and _rerank ----
+
+    def _embed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        """The pooled, unnormalized vectors of ``batch`` (token id lists), one row each, in one
+        call: the engine batches inside it. A backend with ``capabilities.embeddings`` writes it."""
+        raise ConfigError(f"{self.name} does not compute embeddings")
+
+    async def _aembed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        """``_embed`` on the caller's event loop (a natively async backend writes it)."""
+        return await asyncio.to_thread(self._embed_gated, batch, pooling)
+
+    def _rerank(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        """Each document's relevance score to ``query`` from the model's own scoring, and the
+        tokens scored. A backend that loads cross-encoders writes it."""
+        raise ConfigError(f"{self.name} does not rerank")
+
+    @property
+    def embed_limit(self) -> int | None:
+        """The longest input ``embed`` takes, in tokens."""
+        return self.max_embed_tokens or self.context_length
+
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        pooling: Pooling | None = None,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> Embeddings:
+        """The vectors of ``texts`` (one text, a list of them, or token id lists), batched in the
+        engine: pooled (the loaded pooling unless ``pooling`` says, where the engine can),
+        cut to the first ``dimensions`` (Matryoshka) and ``normalize``d to unit length. An input
+        longer than ``embed_limit`` is refused, or cut to it with ``truncate=True``."""
+        job = EmbedJob.of(self, texts, pooling, normalize, dimensions, truncate)
+        batch, cut = self._embed_inputs(job)
+        return job.finish(self._embed_gated(batch, job.pooling), batch, cut)
+
+    async def aembed(
+        self,
+        texts: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        pooling: Pooling | None = None,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> Embeddings:
+        """Async ``embed`` (natively on the caller's loop where the backend is async)."""
+        job = EmbedJob.of(self, texts, pooling, normalize, dimensions, truncate)
+        batch, cut = self._embed_inputs(job)
+        return job.finish(await self._aembed(batch, job.pooling), batch, cut)
+
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None) -> Reranked:
+        """``documents`` ordered by relevance to ``query`` as the loaded reranker (a cross-encoder,
+        ``task="rerank"``) scores them; ``top_n`` keeps the first n."""
+        docs = check_rerank(self, query, documents, top_n)
+        with self._busy():
+            self._enter()
+            try:
+                scores, tokens = self._rerank(query, docs)
+            finally:
+                self._leave()
+        return rank(scores, tokens, top_n, len(docs))
+
+    async def arerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None) -> Reranked:
+        """Async ``rerank``."""
+        return await asyncio.to_thread(self.rerank, query, documents, top_n=top_n)
+
+    def _embed_inputs(self, job: EmbedJob) -> tuple[list[list[int]], tuple[int, ...]]:
+        self._enter()
+        try:
+            return job.encode(self)
+        finally:
+            self._leave()
+
+    def _embed_gated(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        with self._busy():
+            self._enter()
+            try:
+                return self._embed(batch, pooling)
+            except UnillmError:
+                raise
+            except Exception as exc:
+                raise GenerationError(f"{self.name} failed while embedding: {exc}") from exc
+            finally:
+                self._leave()
 
     # ---- derived: what users call ----
 
@@ -464,6 +564,8 @@ class Engine(Lifetime, Generic[P]):
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> Any:
         """Check the prompt's type and encode it (inside the gate: encoding uses the engine)."""
+        if self.task != "generate":
+            check_task(self, "generate")
         if isinstance(prompt, str):
             check_text(prompt)
         elif not self.capabilities.token_prompts:

@@ -11,6 +11,7 @@ from unillm._inspect._gguf import read_gguf_header
 from unillm._inspect._gguf_reader import _FTYPE_GUESSED, GGML_TYPE_NAMES, GGUF_FILE_TYPES, GGUFHeader
 from unillm._inspect._model import ModelInfo, _active, _bpw, _int, bits_per_weight
 from unillm._inspect._paths import SPLIT_GGUF
+from unillm._inspect._pooling import gguf_pooling
 
 # ---- GGUF ------------------------------------------------------------------------------------
 
@@ -143,6 +144,7 @@ def gguf_info(p: str, parts: list[str], headers: list[GGUFHeader]) -> ModelInfo:
         hybrid_attention=hybrid,
         files=tuple(parts),
         estimated=estimated,
+        pooling=gguf_pooling(md, arch),
     )
 
 

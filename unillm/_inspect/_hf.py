@@ -9,6 +9,7 @@ from unillm._inspect._format import _format_of_config
 from unillm._inspect._gguf_reader import _SMALL_ARRAY
 from unillm._inspect._json import _MAX_CONFIG_BYTES, _load_json
 from unillm._inspect._model import ModelInfo, _active, _bpw, _int, _num
+from unillm._inspect._pooling import hf_pooling
 from unillm._inspect._safetensors import _read_tensors, _safetensors_files
 
 # ---- Hugging Face directories -----------------------------------------------------------------
@@ -129,6 +130,7 @@ def _inspect_hf(
         hybrid_attention=hybrid,
         files=tuple(str(f) for f in weights.files),
         group_size=group,
+        pooling=hf_pooling(d, config),
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from unillm._inspect._gguf_reader import _SMALL_ARRAY
 from unillm._inspect._kv import kv_bytes_per_token
+from unillm._inspect._pooling import task_of
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class ModelInfo:
     files: tuple[str, ...] = ()
     group_size: int | None = None
     estimated: tuple[str, ...] = ()
+    #: the pooling the model declares (mean, cls, last; rank for a reranker), None for a generative model
+    pooling: str | None = None
+
+    @property
+    def task(self) -> str:
+        """What the model is for: "embed" (it declares a pooling), "rerank" (a cross-encoder), or
+        "generate"; ``auto_engine`` loads it for that unless the config's ``task`` says otherwise."""
+        return task_of(self.pooling)
 
     @property
     def is_moe(self) -> bool:

@@ -134,6 +134,8 @@ class Workload:
     goal: Literal["latency", "throughput", "cost", "portability"] = "latency"
     kv_cache_dtype: Literal["f16", "bf16", "f32", "q8", "q4", "fp8"] = "f16"
     shared_prefix: bool = False
+    #: what the engine loads for (docs/embeddings.md): a backend that cannot is not a candidate
+    task: Literal["generate", "embed", "rerank"] = "generate"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ The contract
     yields), ``TopLogprobs`` (its logprobs with the alternatives; ``logprobs_from_logits``,
     ``logprobs_from_logprobs`` and ``top_k_logprobs`` make them from a numpy row),
     ``Capabilities``, ``Availability``, ``Suitability``, ``SamplingParams``, ``EngineConfig``,
+    ``POOLINGS``, ``task_for`` and ``pooling_for`` (what an embedding backend loads for and how it
+    pools: the config's word, else the model's), ``GGUF_POOLING`` (llama.cpp's pooling numbers),
     ``KVStats``, ``STANDARD_SAMPLING`` (the sampling set a full-featured engine honours).
 
 What the selector and ``auto_engine`` ask a backend (its class methods)
@@ -79,6 +81,7 @@ from unillm._chat._tools import read_tools
 from unillm._choose._guide import GuideEntry
 from unillm._contract._checks import check_prompt, installed, shared_prefix
 from unillm._contract._context import DEFAULT_CONTEXT, context_for, resolve_context
+from unillm._contract._embed import POOLINGS, pooling_for, task_for
 from unillm._contract._engine import Engine, Messages, NoOptions, Tools, check_text, check_token_ids
 from unillm._contract._facts import Facts
 from unillm._contract._logprobs import from_logits as logprobs_from_logits
@@ -96,6 +99,7 @@ from unillm._inspect._chat_template import gguf_chat_template, hf_chat_template
 from unillm._inspect._eos import eos_from_gguf_metadata, eos_from_hf_dir
 from unillm._inspect._kv import KV_BYTES_PER_ELEMENT, kv_bytes_per_element, kv_bytes_per_token, kv_dtype
 from unillm._inspect._paths import exists, gguf_in, hf_dir_in, is_dir, is_file
+from unillm._inspect._pooling import GGUF_POOLING
 from unillm._plan._estimate import EngineMemory
 from unillm._plan._placement import tensor_parallel_ok
 from unillm._structured import OutputFormat, unenforced
@@ -107,6 +111,7 @@ from unillm._types import (
     EngineConfig,
     Fallback,
     KVStats,
+    Pooling,
     SamplingParams,
     Suitability,
 )
@@ -114,7 +119,10 @@ from unillm.backend import builds, llguidance, lora
 
 __all__ = [
     "DEFAULT_CONTEXT",
+    "GGUF_POOLING",
     "KV_BYTES_PER_ELEMENT",
+    "POOLINGS",
+    "Pooling",
     "STANDARD_SAMPLING",
     "Availability",
     "Capabilities",
@@ -170,6 +178,7 @@ __all__ = [
     "logprobs_from_logits",
     "logprobs_from_logprobs",
     "lora",
+    "pooling_for",
     "read_tools",
     "resolve_context",
     "context_for",
@@ -178,6 +187,7 @@ __all__ = [
     "template_takes_tools",
     "no_chat_template",
     "tools_not_rendered",
+    "task_for",
     "tensor_parallel_ok",
     "top_k_logprobs",
     "unenforced",

@@ -32,6 +32,7 @@ _LAZY = {
     "tiny_model": "unillm.testing._tiny",
     "tiny_gguf": "unillm.testing._tiny",
     "tiny_hub": "unillm.testing._hub",
+    "tiny_embedding_model": "unillm.testing._tiny_embed",
     "tiny_lora": "unillm.testing._lora",
     "TinyLora": "unillm.testing._lora",
     "TinyModel": "unillm.testing._tiny",
@@ -53,6 +54,7 @@ __all__ = [
     "check_engine",
     "check_parity",
     "convert_tiny",
+    "tiny_embedding_model",
     "tiny_gguf",
     "tiny_hub",
     "tiny_lora",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
     from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_gguf, tiny_model
+    from unillm.testing._tiny_embed import tiny_embedding_model
 
 
 def __getattr__(name: str) -> Any:

@@ -286,11 +286,13 @@ def _write_gguf(
     eos: tuple[str, ...] = (EOS,),
     quant: str = "f32",
     split_max_tensors: int = 0,
+    pooling_type: int | None = None,
 ) -> None:
     """Write the GGUF. ``chat_template`` and ``arch`` are overridable so tests can plant a hostile
     template or an architecture llama.cpp does not know; ``quant`` (one of ``QUANTS``) stores the
-    matrices in that type, and ``split_max_tensors`` writes a split set
-    (``stem-0000N-of-0000M.gguf``, gguf-split's layout) of at most that many tensors a part."""
+    matrices in that type, ``split_max_tensors`` writes a split set
+    (``stem-0000N-of-0000M.gguf``, gguf-split's layout) of at most that many tensors a part, and
+    ``pooling_type`` declares the model an embedding model pooling that way."""
     import gguf
 
     qtype, ftype = QUANTS[quant]
@@ -342,6 +344,8 @@ def _write_gguf(
     w.add_add_eos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    if pooling_type is not None:  # an embedding model's (llama.cpp's LLAMA_POOLING_TYPE_*)
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
 
     put, qt = w.add_tensor, gguf.GGMLQuantizationType(qtype)
 

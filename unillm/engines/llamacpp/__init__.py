@@ -32,11 +32,11 @@ from unillm.backend import (
     Facts,
     Fallback,
     KVStats,
+    Pooling,
     RawPiece,
     RequestState,
     SamplingParams,
     Suitability,
-    TopLogprobs,
     check_chat_template,
     check_prompt,
     compile_error,
@@ -47,13 +47,15 @@ from unillm.backend import (
     gguf_in,
     installed,
     kv_dtype,
-    logprobs_from_logits,
+    pooling_for,
     shared_prefix,
+    task_for,
     warn,
 )
 from unillm.backend.lora import one_adapter
-from unillm.engines.llamacpp._batch import Batcher, Event, Job, context_params, finished
+from unillm.engines.llamacpp._batch import Batcher, Event, Job, context_params, finished, llama_logprobs
 from unillm.engines.llamacpp._draft import Speculation, check_request, load_drafter, no_step
+from unillm.engines.llamacpp._embed import checked_task, embed_batch, embed_kwargs
 from unillm.engines.llamacpp._format import Formats
 from unillm.engines.llamacpp._load import (
     LlamaLog,
@@ -82,14 +84,6 @@ INSTALL_HINT = (
 _GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
 
-def llama_logprobs(ctx: Any, n_vocab: int, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
-    """One token's logprobs from a llama.cpp context's last raw logits (``get_logits_ith(-1)``),
-    which the sampler chain's penalties, bias and temperature never touch (they work on a copy)."""
-    import numpy as np
-
-    return logprobs_from_logits(np.ctypeslib.as_array(ctx.get_logits_ith(-1), shape=(n_vocab,)), tok, k)
-
-
 class LlamaCppEngine(Engine[LlamaCppOptions]):
     """GGUF models through llama-cpp-python."""
 
@@ -100,6 +94,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
     capabilities: ClassVar[Capabilities] = Capabilities(
         sampling=STANDARD_SAMPLING | {"response_format"},  # through llguidance (engines/llamacpp/_format.py)
         lora=True,
+        embeddings=True,  # loaded with task="embed": a pooling context (engines/llamacpp/_embed.py)
         devices=frozenset({"cpu", "cuda", "metal", "rocm", "vulkan"}),
         speculative=True,
     )
@@ -194,7 +189,9 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             self.name, self.config.model, opts.n_ctx or self.config.context_length, trained,
             longer="allow_longer_context=True", allowed=opts.allow_longer_context,
         )  # fmt: skip
-        parallel = self._parallel(opts)
+        self.task = checked_task(task_for(self.config, info), self.config.model, opts.draft_model)
+        embedding = self.task == "embed"
+        parallel = 1 if embedding else self._parallel(opts)
         gpu_layers = opts.n_gpu_layers
         if gpu_layers is None or gpu_layers == "auto":
             gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0
@@ -222,6 +219,9 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
             kwargs["n_threads_batch"] = opts.n_threads_batch
         if opts.seed is not None:
             kwargs["seed"] = opts.seed
+        if embedding:  # one decode takes any input up to the context, pooled by llama.cpp
+            self.pooling = pooling_for(self.config, info)
+            kwargs.update(embed_kwargs(llama_cpp, self.pooling, n_ctx))
         if (lora := one_adapter(self.config, self.name)) is not None:  # scaled by its own alpha
             kwargs.update(lora_path=str(gguf_adapter(lora, self.name, self.facts)), lora_scale=1.0)
 
@@ -238,6 +238,7 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
                 raise load_error(exc, log.text(), header, self.config.model) from exc
         metadata = full_metadata(llm, header, check_template=own_template, source=str(self._path))
         self._llm: Llama = llm
+        self._lc = llama_cpp
         self._draft = load_drafter(llama_cpp, opts.draft_model, opts.num_draft_tokens, kwargs, llm)
         self._vocab = llm._model.vocab
         self._n_vocab = llm.n_vocab()
@@ -283,6 +284,11 @@ class LlamaCppEngine(Engine[LlamaCppOptions]):
         self._hits = 0
         self._kv_dtype = opts.kv_cache_type
         self._kv_bytes_per_token = shape.kv_bytes_per_token(dtype)
+
+    # ---- embed ----
+
+    def _embed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        return embed_batch(self._lc, self._llm, batch)
 
     # ---- stream ----
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from unillm.backend import Live, StepWorker, TopLogprobs, logprobs_from_logits, shared_prefix
 
-__all__ = ["Batcher", "Job", "context_params", "finished"]
+__all__ = ["Batcher", "Job", "context_params", "finished", "llama_logprobs"]
 
 #: What a request's stream gets per step: ``(token or None, logprobs or None, finish reason or None)``.
 Event = tuple[int | None, Any, Literal["stop", "length"] | None]
@@ -43,6 +43,14 @@ Event = tuple[int | None, Any, Literal["stop", "length"] | None]
 def finished(event: Event) -> bool:
     """The event that ends a request's stream (its finish reason is set)."""
     return event[2] is not None
+
+
+def llama_logprobs(ctx: Any, n_vocab: int, tok: int, k: int) -> tuple[float, ...] | TopLogprobs:
+    """One token's logprobs from a llama.cpp context's last raw logits (``get_logits_ith(-1)``),
+    which the sampler chain's penalties, bias and temperature never touch (they work on a copy)."""
+    import numpy as np
+
+    return logprobs_from_logits(np.ctypeslib.as_array(ctx.get_logits_ith(-1), shape=(n_vocab,)), tok, k)
 
 
 @dataclass

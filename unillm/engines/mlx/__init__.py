@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from unillm import BackendUnavailable, ModelFormatError, ModelLoadError, OutOfMemory
+from unillm import BackendUnavailable, ConfigError, ModelFormatError, ModelLoadError, OutOfMemory
 from unillm.backend import (
     STANDARD_SAMPLING,
     Availability,
@@ -29,6 +29,7 @@ from unillm.backend import (
     Facts,
     Fallback,
     KVStats,
+    Pooling,
     RawPiece,
     RequestState,
     SamplingParams,
@@ -40,11 +41,14 @@ from unillm.backend import (
     hf_token_bytes,
     installed,
     kv_bytes_per_token,
+    pooling_for,
     shared_prefix,
+    task_for,
     warn,
 )
 from unillm.engines.mlx import _draft as spec  # speculative decoding (draft_model)
 from unillm.engines.mlx._batch import Batcher, KeptCache, finished
+from unillm.engines.mlx._embed import embed_batch, transformer
 from unillm.engines.mlx._format import FormatGuide
 from unillm.engines.mlx._lora import apply_peft_mlx, mlx_lora
 from unillm.engines.mlx._model import (
@@ -148,9 +152,12 @@ class MLXEngine(Engine[MLXOptions]):
         sampling=STANDARD_SAMPLING | {"response_format"},  # through llguidance (engines/mlx/_format.py)
         batching=False,  # True on an engine whose batch_size > 1 (mlx-lm's BatchGenerator)
         lora=True,
+        embeddings=True,  # loaded with task="embed": the final hidden states pooled (engines/mlx/_embed.py)
         devices=frozenset({"cpu", "metal"}),
         speculative=True,
     )
+    #: it pools the final hidden states itself: any pooling, per call
+    pools_per_call: ClassVar[bool] = True
     Options: ClassVar[type[BaseModel]] = MLXOptions
     install_hint: ClassVar[str | None] = INSTALL_HINT
 
@@ -260,6 +267,22 @@ class MLXEngine(Engine[MLXOptions]):
         self._inflight: dict[int, int] = {}  # batched mode: request -> tokens it holds
         self._batcher: Batcher | None = None
         batched = self.capabilities.batching  # what capabilities_for declared for these options
+        self.task = task_for(self.config, info)
+        if self.task == "rerank":
+            raise ConfigError(
+                f"{self.name} runs no rerankers (cross-encoders) yet: load {self.config.model!r} with "
+                "task='rerank' on vLLM (docs/embeddings.md#rerank)"
+            )
+        if self.task == "embed":  # one request at a time through the model's transformer, no batcher
+            self.pooling = pooling_for(self.config, info)
+            self._transformer = transformer(model)
+            if self._transformer is None:
+                raise ModelLoadError(
+                    f"mlx-lm's model for {info.architecture!r} keeps no transformer (model.model) "
+                    "whose hidden states unillm could pool; embed it on llama.cpp or vLLM"
+                )
+            self.capabilities = replace(self.capabilities, batching=False)  # type: ignore[misc]
+            batched = False
         if batched and not has_batch_generator():
             warn(
                 f"this mlx-lm has no BatchGenerator: batch_size={opts.batch_size} runs one request at a "
@@ -285,6 +308,11 @@ class MLXEngine(Engine[MLXOptions]):
         # the KV cache's element type: the model's activations', or kv_bits' when mlx-lm quantizes
         bits = opts.kv_bits if not batched else None
         self._kv_dtype = activation_dtype(model, info) if bits is None else bits_dtype(bits)
+
+    # ---- embed ----
+
+    def _embed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        return embed_batch(self._mx, self._transformer, batch, pooling)
 
     # ---- stream ----
 
