@@ -100,12 +100,12 @@ class EmbedJob:
         truncate: Any,
     ) -> EmbedJob:
         check_task(engine, "embed")
-        if isinstance(texts, str) or (isinstance(texts, Sequence) and texts and isinstance(texts[0], int)):
-            texts = [texts]
-        if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Sequence):
+        if isinstance(texts, (bytes, bytearray)) or not isinstance(texts, (Sequence, str)):
             raise ConfigError(
                 f"embed() takes a str or a list of str (or of token id lists), got {type(texts).__name__}"
             )
+        if isinstance(texts, str) or (texts and isinstance(texts[0], int)):
+            texts = [texts]
         if not texts:
             raise ConfigError("embed() was given no input: pass one text or a list of them")
         if len(texts) > _MAX_INPUTS:
