@@ -249,3 +249,31 @@ def test_the_selector_loads_an_embedding_model_for_embed(models: dict[str, TinyM
     with auto_engine(str(models["mean"].gguf_path), context_length=128) as e:
         assert (e.task, e.pooling) == ("embed", "mean")
         assert e.embed("a").dimensions == 128
+
+
+def test_check_parity_compares_vectors(engines: dict[Any, Any]) -> None:
+    from unillm.testing import check_parity
+
+    report = check_parity([engines["llama.cpp", "mean"], engines["mlx", "mean"]], TEXTS)
+    report.assert_parity()
+    assert len(report.prompts) == len(TEXTS)
+    assert min(p.cosines["mlx"] for p in report.prompts) >= 0.999
+    with pytest.raises(ValueError, match="pool differently"):
+        check_parity([engines["llama.cpp", "mean"], engines["mlx", "last"]], TEXTS)
+    # vectors that differ are reported, not passed: last against mean pooling, forced alike
+    forced = engines["mlx", "last"]
+    with pytest.raises(AssertionError, match="cosine"):
+        check_parity({"mean": engines["mlx", "mean"], "last": _Pooled(forced, "mean")}, TEXTS).assert_parity()
+
+
+class _Pooled:
+    """An engine that says it pools one way and pools its own: what parity must catch."""
+
+    def __init__(self, engine: Any, says: str) -> None:
+        self._e, self.pooling, self.task, self.name = engine, says, "embed", "liar"
+
+    def embed(self, texts: Any) -> Any:
+        return self._e.embed(texts)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._e.tokenize(text)  # type: ignore[no-any-return]

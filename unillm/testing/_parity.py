@@ -14,6 +14,10 @@ order either way) is told apart from a bug: a real difference has a clear winner
 side. The margin needs ``logprobs`` and ``logit_bias`` (the runner-up is the greedy choice once
 the top token is pushed down; logprobs are of the model's distribution, before the bias); an engine
 without them reports no margin, and its differences count as unexplained.
+
+Engines loaded for embeddings (``task="embed"``, each with the same pooling) are compared on their
+vectors instead: every prompt's vector on each engine against the reference's, equal when the
+cosine is at least ``min_cosine`` (0.999), and the prompts' token counts must agree.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class PromptParity:
     completions: dict[str, Completion]
     differences: tuple[str, ...] = ()
     divergences: tuple[Divergence, ...] = ()
+    #: embedding engines: each engine's cosine to the reference's vector of this prompt
+    cosines: dict[str, float] = field(default_factory=dict)
 
     @property
     def equal(self) -> bool:
@@ -115,6 +121,7 @@ def check_parity(
     reference: int | str = 0,
     tie_margin: float = 0.1,
     params: SamplingParams | Mapping[str, Any] | None = None,
+    min_cosine: float = 0.999,
 ) -> ParityReport:
     """Decode ``prompts`` greedily on each loaded engine and compare them with the reference.
 
@@ -126,6 +133,8 @@ def check_parity(
     :param tie_margin: a divergence is a near-tie when, on both sides, the top two tokens are
         closer than this (in nats).
     :param params: more sampling fields (e.g. ``ignore_eos``); temperature is always 0.
+    :param min_cosine: engines loaded for embeddings: the least cosine between an engine's vector
+        and the reference's that counts as equal.
     :returns: a ``ParityReport``; ``report.assert_parity(min_share)`` turns it into a test.
     """
     named = _named(engines)
@@ -134,6 +143,13 @@ def check_parity(
     ref = reference if isinstance(reference, str) else list(named)[reference]
     if ref not in named:
         raise ValueError(f"no engine named {ref!r}; have {list(named)}")
+    tasks = {e.task for e in named.values()}
+    if tasks == {"embed"}:
+        return _vectors(named, prompts, ref, min_cosine)
+    if len(tasks) > 1:
+        raise ValueError(
+            f"check_parity compares engines loaded for one task; these are loaded for {sorted(tasks)}"
+        )
     base = dict(params.model_dump(exclude_unset=True) if isinstance(params, SamplingParams) else params or {})
     sp = SamplingParams(**{**base, "temperature": 0.0, "max_tokens": max_tokens})
     results = []
@@ -141,6 +157,36 @@ def check_parity(
         done = {name: engine.generate(prompt, sp) for name, engine in named.items()}
         results.append(_compare(prompt, done, ref, named, tie_margin))
     return ParityReport(ref, tuple(named), tuple(results), tie_margin)
+
+
+def _vectors(
+    named: dict[str, Engine[Any]], prompts: Sequence[str], ref: str, min_cosine: float
+) -> ParityReport:
+    """Embedding engines: each prompt's vector (one batch per engine) against the reference's."""
+    import numpy as np
+
+    poolings = {name: e.pooling for name, e in named.items()}
+    if len(set(poolings.values())) > 1:
+        raise ValueError(f"the engines pool differently ({poolings}); load them with the same pooling")
+    done = {name: e.embed(list(prompts)) for name, e in named.items()}
+    vectors = {name: got.array().astype(np.float64) for name, got in done.items()}
+    tokens = {name: [len(e.tokenize(p)) for p in prompts] for name, e in named.items()}
+    results = []
+    for i, prompt in enumerate(prompts):
+        cosines: dict[str, float] = {}
+        differences = []
+        r = vectors[ref][i]
+        for name, v in vectors.items():
+            if name == ref:
+                continue
+            cos = float(v[i] @ r / (np.linalg.norm(v[i]) * np.linalg.norm(r)))
+            cosines[name] = cos
+            if not cos >= min_cosine:
+                differences.append(f"{name}: cosine {cos:.6f} to {ref}'s vector, under {min_cosine}")
+            if tokens[name][i] != tokens[ref][i]:
+                differences.append(f"{name}: {tokens[name][i]} tokens, {ref} {tokens[ref][i]}")
+        results.append(PromptParity(prompt, {}, tuple(differences), (), cosines))
+    return ParityReport(ref, tuple(named), tuple(results))
 
 
 def _named(engines: Sequence[Engine[Any]] | Mapping[str, Engine[Any]]) -> dict[str, Engine[Any]]:
