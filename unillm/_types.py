@@ -259,8 +259,8 @@ class KVStats:
 class Embeddings:
     """Vectors of a batch of inputs, in their order: ``vectors`` as lists of floats, ``array()`` as
     one float32 numpy array (rows: inputs), ``usage.prompt_tokens`` the tokens embedded. The
-    ``pooling`` used, whether the vectors are ``normalized`` (unit length) and their ``dimensions``
-    travel with them."""
+    ``pooling`` used (None: the server's model's, not known here), whether the vectors are
+    ``normalized`` (unit length) and their ``dimensions`` travel with them."""
 
     __slots__ = ("_array", "_lists", "dimensions", "normalized", "pooling", "truncated", "usage")
 
@@ -268,7 +268,7 @@ class Embeddings:
         self,
         vectors: Any,
         usage: Usage,
-        pooling: Pooling,
+        pooling: Pooling | None,
         normalized: bool,
         *,
         truncated: tuple[int, ...] = (),

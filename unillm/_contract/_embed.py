@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from unillm._contract._checks import check_text, check_token_ids
-from unillm._errors import ConfigError, ContextLengthExceeded
+from unillm._errors import ConfigError, ContextLengthExceeded, GenerationError
 from unillm._types import Embeddings, EngineConfig, Pooling, Ranked, Reranked, Usage
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def check_task(engine: Engine[Any], want: str) -> None:
     to load for it (each task has a load of its own: llama.cpp and vLLM set their context or
     runner up for one)."""
     have = engine.task
-    if have == want:
+    if have == want or have is None:  # None: the engine cannot tell; its server answers
         return
     if want == "embed" and not engine.capabilities.embeddings:
         raise ConfigError(
@@ -84,7 +84,7 @@ class EmbedJob:
     """One ``embed`` call, checked: its inputs, pooling, normalization and dimensions."""
 
     inputs: list[str | list[int]]
-    pooling: Pooling
+    pooling: Pooling | None
     normalize: bool
     dimensions: int | None
     truncate: bool
@@ -129,6 +129,11 @@ class EmbedJob:
         elif pooling not in POOLINGS:
             raise ConfigError(f"pooling is one of {', '.join(POOLINGS)}, got {pooling!r}")
         elif pooling != engine.pooling and not engine.pools_per_call:
+            if engine.pooling is None:
+                raise ConfigError(
+                    f"{engine.name} pools as its model does, which it cannot choose per call; "
+                    "leave pooling unset"
+                )
             raise ConfigError(
                 f"{engine.name} was loaded with {engine.pooling} pooling, which its engine fixes at "
                 f"load; load the model with pooling={pooling!r} (EngineConfig(pooling={pooling!r})) "
@@ -144,6 +149,8 @@ class EmbedJob:
             )
         if not isinstance(truncate, bool):
             raise ConfigError(f"truncate is True or False, got {truncate!r}")
+        if truncate and engine.embeds_text:
+            raise ConfigError(f"{engine.name} embeds what it is given whole; shorten the inputs it refuses")
         return cls(inputs, pooling, normalize, dimensions, truncate)
 
     def encode(self, engine: Engine[Any]) -> tuple[list[list[int]], tuple[int, ...]]:
@@ -167,14 +174,16 @@ class EmbedJob:
             out.append(ids)
         return out, tuple(cut)
 
-    def finish(self, raw: Any, batch: list[list[int]], cut: tuple[int, ...]) -> Embeddings:
+    def finish(self, raw: Any, prompt_tokens: int, cut: tuple[int, ...]) -> Embeddings:
         """The backend's pooled vectors (rows of floats, any array-like) cut to ``dimensions`` and
         normalized when asked."""
         import numpy as np
 
         vectors = np.asarray(raw, dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape[0] != len(batch):
-            raise ValueError(f"the backend returned vectors of shape {vectors.shape} for {len(batch)} inputs")
+        if vectors.ndim != 2 or vectors.shape[0] != len(self.inputs):
+            raise GenerationError(
+                f"the backend returned vectors of shape {vectors.shape} for {len(self.inputs)} inputs"
+            )
         width = vectors.shape[1]
         if self.dimensions is not None:
             if self.dimensions > width:
@@ -186,7 +195,7 @@ class EmbedJob:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.where(norms > 0, norms, 1.0)
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        usage = Usage(prompt_tokens=sum(len(ids) for ids in batch), completion_tokens=0)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
         return Embeddings(vectors, usage, self.pooling, self.normalize, truncated=cut)
 
 

@@ -313,23 +313,27 @@ class Engine(Lifetime, Generic[P]):
     #: The context window in tokens (prompt plus completion), once loaded (backends set it).
     context_length: int | None = None
     #: What the engine was loaded for: "generate", "embed" or "rerank" (a backend that embeds sets
-    #: it at load from ``unillm.backend.task_for``; docs/embeddings.md).
-    task: str = "generate"
-    #: How an embedding engine pools (``unillm.backend.pooling_for`` at load).
-    pooling: Pooling = "last"
+    #: it at load from ``unillm.backend.task_for``; docs/embeddings.md); None where the engine
+    #: cannot tell (a server's model): the server then refuses what its model does not do.
+    task: str | None = "generate"
+    #: How an embedding engine pools (``unillm.backend.pooling_for`` at load); None: not known here.
+    pooling: Pooling | None = "last"
     #: The longest input ``embed`` takes, in tokens (None: the context window).
     max_embed_tokens: int | None = None
     #: Whether ``_embed`` pools any way per call (else only the loaded ``pooling``).
     pools_per_call: ClassVar[bool] = False
+    #: Whether the engine tokenizes embed inputs itself (a server does): ``_embed`` then gets the
+    #: inputs as given (text or ids) and returns (vectors, prompt tokens); the limit is its own.
+    embeds_text: ClassVar[bool] = False
 
     # ---- embeddings and rerank (docs/embeddings.md): a backend writes _embed and _rerank ----
 
-    def _embed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+    def _embed(self, batch: list[Any], pooling: Any) -> Any:
         """The pooled, unnormalized vectors of ``batch`` (token id lists), one row each, in one
         call: the engine batches inside it. A backend with ``capabilities.embeddings`` writes it."""
         raise ConfigError(f"{self.name} does not compute embeddings")
 
-    async def _aembed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+    async def _aembed(self, batch: list[Any], pooling: Any) -> Any:
         """``_embed`` on the caller's event loop (a natively async backend writes it)."""
         return await asyncio.to_thread(self._embed_gated, batch, pooling)
 
@@ -357,8 +361,11 @@ class Engine(Lifetime, Generic[P]):
         cut to the first ``dimensions`` (Matryoshka) and ``normalize``d to unit length. An input
         longer than ``embed_limit`` is refused, or cut to it with ``truncate=True``."""
         job = EmbedJob.of(self, texts, pooling, normalize, dimensions, truncate)
+        if self.embeds_text:
+            raw, tokens = self._embed_gated(job.inputs, job.pooling)
+            return job.finish(raw, tokens, ())
         batch, cut = self._embed_inputs(job)
-        return job.finish(self._embed_gated(batch, job.pooling), batch, cut)
+        return job.finish(self._embed_gated(batch, job.pooling), sum(map(len, batch)), cut)
 
     async def aembed(
         self,
@@ -371,8 +378,11 @@ class Engine(Lifetime, Generic[P]):
     ) -> Embeddings:
         """Async ``embed`` (natively on the caller's loop where the backend is async)."""
         job = EmbedJob.of(self, texts, pooling, normalize, dimensions, truncate)
+        if self.embeds_text:
+            raw, tokens = await self._aembed(job.inputs, job.pooling)
+            return job.finish(raw, tokens, ())
         batch, cut = self._embed_inputs(job)
-        return job.finish(await self._aembed(batch, job.pooling), batch, cut)
+        return job.finish(await self._aembed(batch, job.pooling), sum(map(len, batch)), cut)
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None) -> Reranked:
         """``documents`` ordered by relevance to ``query`` as the loaded reranker (a cross-encoder,
@@ -397,7 +407,7 @@ class Engine(Lifetime, Generic[P]):
         finally:
             self._leave()
 
-    def _embed_gated(self, batch: list[list[int]], pooling: Pooling) -> Any:
+    def _embed_gated(self, batch: list[Any], pooling: Any) -> Any:
         with self._busy():
             self._enter()
             try:

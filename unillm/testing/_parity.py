@@ -143,7 +143,7 @@ def check_parity(
     ref = reference if isinstance(reference, str) else list(named)[reference]
     if ref not in named:
         raise ValueError(f"no engine named {ref!r}; have {list(named)}")
-    tasks = {e.task for e in named.values()}
+    tasks = {str(e.task) for e in named.values()}
     if tasks == {"embed"}:
         return _vectors(named, prompts, ref, min_cosine)
     if len(tasks) > 1:
@@ -166,7 +166,7 @@ def _vectors(
     import numpy as np
 
     poolings = {name: e.pooling for name, e in named.items()}
-    if len(set(poolings.values())) > 1:
+    if len(set(poolings.values())) > 1 or None in poolings.values():
         raise ValueError(f"the engines pool differently ({poolings}); load them with the same pooling")
     done = {name: e.embed(list(prompts)) for name, e in named.items()}
     vectors = {name: got.array().astype(np.float64) for name, got in done.items()}
