@@ -18,6 +18,11 @@ with fixtures in the plugin's ``conftest.py`` (any scope; module or session keep
     a loaded engine of another backend on the same weights (llama.cpp on the GGUF of the same
     tensors, say): greedy tokens, finish reasons and counts must agree (``check_parity``, which
     tells near-ties from bugs). Without it the parity check skips.
+``unillm_embed_engine`` (required when the backend declares ``capabilities.embeddings``)
+    a loaded engine of the backend for embeddings (``task="embed"``): the embed checks use it.
+``unillm_embed_reference`` (optional)
+    a loaded embedding engine of another backend on the same weights and pooling: the vectors must
+    agree (cosine >= 0.999, ``check_parity``). Without it that check skips.
 ``unillm_missing_model`` (optional)
     a model path the backend would take but that does not exist; default: a ``.gguf``-less
     directory name under the system's temp dir. Loading it must raise ``ModelNotFound`` or
@@ -337,3 +342,79 @@ class Conformance:
         prompts = [PROMPT, "Hello world", "Why is the sky blue?", "0 1 2 3", "Paris is the capital of"]
         report = check_parity({"reference": reference, "engine": unillm_engine}, prompts, max_tokens=16)
         report.assert_parity(min_share=0.8)  # and every other difference a near-tie
+
+    # ---- embeddings: every backend that declares capabilities.embeddings ----
+
+    def _embedder(self, request: pytest.FixtureRequest, engine: AnyEngine) -> AnyEngine:
+        if not type(engine).capabilities.embeddings:
+            pytest.skip(f"{engine.name} declares no embeddings")
+        embedder: Engine[Any] | None = _optional(request, "unillm_embed_engine")
+        if embedder is None:
+            pytest.fail(
+                f"{engine.name} declares capabilities.embeddings: give a unillm_embed_engine fixture (an "
+                "engine loaded with task='embed') so the kit checks embed(), or turn these checks off "
+                "in the subclass with the reason"
+            )
+        return embedder
+
+    def test_embed_batches_like_one_text_at_a_time(
+        self, request: pytest.FixtureRequest, unillm_engine: AnyEngine
+    ) -> None:
+        import numpy as np
+
+        e = self._embedder(request, unillm_engine)
+        texts = [PROMPT, "Hello world", "Why is the sky blue? " * 5, "0 1 2 3"]
+        batch = e.embed(texts)
+        assert batch.array().shape == (len(texts), batch.dimensions) and batch.dimensions > 0
+        assert batch.usage.prompt_tokens >= len(texts)
+        one = np.stack([e.embed(t).array()[0] for t in texts])
+        cos = (batch.array() * one).sum(axis=1)  # both unit length
+        assert cos.min() >= 0.999, f"a batch's vectors differ from one text at a time: cosines {cos}"
+
+    def test_embed_normalizes_and_cuts_dimensions(
+        self, request: pytest.FixtureRequest, unillm_engine: AnyEngine
+    ) -> None:
+        import numpy as np
+
+        e = self._embedder(request, unillm_engine)
+        unit = e.embed([PROMPT, "Hello world"]).array()
+        assert np.allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-4)
+        raw = e.embed([PROMPT, "Hello world"], normalize=False).array()
+        assert np.allclose(unit, raw / np.linalg.norm(raw, axis=1, keepdims=True), atol=1e-4)
+        half = max(1, unit.shape[1] // 2)
+        cut = e.embed([PROMPT], dimensions=half).array()
+        head = raw[:1, :half]
+        assert np.allclose(cut, head / np.linalg.norm(head), atol=1e-4)
+
+    def test_embed_refuses_bad_input_with_a_typed_error(
+        self, request: pytest.FixtureRequest, unillm_engine: AnyEngine
+    ) -> None:
+        e = self._embedder(request, unillm_engine)
+        for bad in ("", [], ["ok", ""]):
+            with pytest.raises(ConfigError):
+                e.embed(bad)
+        with pytest.raises(ConfigError):
+            e.embed(PROMPT, dimensions=0)
+
+    def test_embed_on_a_generation_engine_works_or_says_how(
+        self, request: pytest.FixtureRequest, unillm_engine: AnyEngine
+    ) -> None:
+        self._embedder(request, unillm_engine)
+        try:
+            got = unillm_engine.embed(PROMPT)
+        except ConfigError as exc:
+            assert "task=" in str(exc), f"the refusal does not say how to load for embed: {exc}"
+        else:
+            assert got.dimensions > 0
+
+    def test_embed_parity_with_the_reference_engine(
+        self, request: pytest.FixtureRequest, unillm_engine: AnyEngine
+    ) -> None:
+        e = self._embedder(request, unillm_engine)
+        reference: Engine[Any] | None = _optional(request, "unillm_embed_reference")
+        if reference is None:
+            pytest.skip("no unillm_embed_reference fixture: vectors are checked against a reference engine")
+        from unillm.testing._parity import check_parity
+
+        prompts = [PROMPT, "Hello world", "Why is the sky blue?", "0 1 2 3", "Paris is the capital of"]
+        check_parity({"reference": reference, "engine": e}, prompts).assert_parity()

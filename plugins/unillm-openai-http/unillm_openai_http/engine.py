@@ -17,6 +17,7 @@ measured here, on the client's clock.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -119,8 +120,10 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
     # servers stream text; the ids are not known here (the usage count is the server's) unless
     # the server streams them (vLLM: set at load)
     capabilities: ClassVar[Capabilities] = Capabilities(
-        sampling=OPENAI, batching=True, token_prompts=False, token_ids=False
+        sampling=OPENAI, batching=True, token_prompts=False, token_ids=False, embeddings=True
     )
+    # the server's /v1/embeddings tokenizes, pools and keeps its own limit: texts go as given
+    embeds_text: ClassVar[bool] = True
     Options: ClassVar[type[BaseModel]] = OpenAIHTTPOptions
     install_hint: ClassVar[str | None] = "pip install unillm-openai-http"
 
@@ -206,6 +209,11 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
         self.capabilities = caps  # type: ignore[misc]
         ctx = entry.get("max_model_len")
         self.context_length = ctx if isinstance(ctx, int) else None
+        # what the server's model is for and how it pools, where the server lists it (unillm serve
+        # does); else not known here, and the server refuses what its model does not do
+        task, pooling = entry.get("task"), entry.get("pooling")
+        self.task = task if task in ("generate", "embed", "rerank") else None
+        self.pooling = pooling if pooling in ("mean", "last", "cls") else None
 
     @property
     def server_kind(self) -> str:
@@ -401,6 +409,49 @@ class OpenAIHTTPEngine(Engine[OpenAIHTTPOptions]):
                 "deltas are not read); set chat_template in the engine config to render the tools "
                 "here and parse the calls from the reply, as in-process engines do.",
             )
+
+    # ---- embeddings: the server's /v1/embeddings ----
+
+    def _embed_body(self, inputs: list[Any]) -> dict[str, Any]:
+        return {"model": self._served, "input": inputs, "encoding_format": "float"}
+
+    def _embed(self, inputs: list[Any], pooling: Any) -> tuple[list[list[float]], int]:
+        response = self._wire.open("POST", "/v1/embeddings", self._embed_body(inputs))
+        try:
+            answer = response.json()
+        except ValueError as exc:
+            raise ServerFailed(self._wire.url("/v1/embeddings"), 200, "the answer is not JSON") from exc
+        return self._vectors(answer, len(inputs))
+
+    async def _aembed(self, inputs: list[Any], pooling: Any) -> tuple[list[list[float]], int]:
+        response = await self._wire.aopen("POST", "/v1/embeddings", self._embed_body(inputs))
+        try:
+            body = await response.aread()
+        finally:
+            await response.aclose()
+        try:
+            answer = json.loads(body)
+        except ValueError as exc:
+            raise ServerFailed(self._wire.url("/v1/embeddings"), 200, "the answer is not JSON") from exc
+        return self._vectors(answer, len(inputs))
+
+    def _vectors(self, answer: Any, n: int) -> tuple[list[list[float]], int]:
+        """The vectors in input order and the prompt tokens from an OpenAI embeddings answer."""
+        url = self._wire.url("/v1/embeddings")
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list) or len(data) != n:
+            raise ServerFailed(url, 200, f"the answer holds {len(data) if isinstance(data, list) else 'no'} "
+                               f"vectors for {n} inputs")  # fmt: skip
+        vectors: list[list[float]] = [[] for _ in range(n)]
+        for i, item in enumerate(data):
+            index = item.get("index", i) if isinstance(item, dict) else None
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            if not isinstance(index, int) or not 0 <= index < n or not isinstance(vector, list):
+                raise ServerFailed(url, 200, f"data[{i}] is not an embedding of an input")
+            vectors[index] = vector
+        usage = answer.get("usage")
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return vectors, tokens if isinstance(tokens, int) else 0
 
     # ---- tokenizer, kv_stats, close ----
 
