@@ -192,9 +192,11 @@ class EmbedJob:
                 )
             vectors = vectors[:, : self.dimensions]
         if self.normalize:
-            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-            vectors = vectors / np.where(norms > 0, norms, 1.0)
-        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+            norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors))
+            norms[norms == 0] = 1.0  # a zero vector stays zero
+            vectors = vectors / norms[:, None]  # a new, contiguous array
+        else:
+            vectors = np.ascontiguousarray(vectors)
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=0)
         return Embeddings(vectors, usage, self.pooling, self.normalize, truncated=cut)
 
