@@ -75,6 +75,31 @@ def vllm_engine(tiny: TinyModel) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def embed_last(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny model as an embedding model with last-token pooling (HF dir + GGUF)."""
+    from unillm.testing import tiny_embedding_model
+
+    return tiny_embedding_model("last", cache_dir=tmp_path_factory.mktemp("embed-last"))
+
+
+@pytest.fixture(scope="session")
+def vllm_embed_engine(embed_last: TinyModel) -> Iterator[Any]:
+    """One real vLLM engine loaded for embeddings (its pooling runner) on ``embed_last``, shared by
+    the modules that check vLLM's embed: vLLM runs a model for generation or for pooling, fixed
+    when it starts, so ``vllm_engine`` cannot embed."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
+    from unillm import load_engine
+
+    config = {"model": str(embed_last.hf_dir), "backend": "vllm", "context_length": 256}
+    engine = load_engine({**config, "options": {**VLLM_OPTIONS, "max_num_seqs": 16}})
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
 def converter_python() -> str:
     """The interpreter of the model converters' own environment (scripts/converters.sh builds it on
     first use and reuses it after): torch and transformers < 5.6 stay out of the test environment."""

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from unillm import KVStats
-from unillm.testing import Conformance, MockEngine, TinyModel, tiny_embedding_model
+from unillm.testing import Conformance, MockEngine, TinyModel
 
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("llama_cpp", "mlx_lm", "vllm")}
 FAKE_EXL2 = Path(__file__).resolve().parent / "fake_exllamav2"
@@ -36,8 +36,8 @@ def reference(tiny: TinyModel) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def embed_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return tiny_embedding_model("last", cache_dir=tmp_path_factory.mktemp("embed"))
+def embed_model(embed_last: TinyModel) -> TinyModel:
+    return embed_last
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,14 @@ class TestVLLM(Conformance):
     @pytest.fixture
     def unillm_reference(self, reference: Any) -> Any:
         return reference
+
+    @pytest.fixture
+    def unillm_embed_engine(self, vllm_embed_engine: Any) -> Any:
+        return vllm_embed_engine  # the session's (tests/conftest.py): vLLM embeds from its own start
+
+    @pytest.fixture
+    def unillm_embed_reference(self, embed_reference: Any) -> Any:
+        return embed_reference
 
 
 @pytest.fixture(scope="class")

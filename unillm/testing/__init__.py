@@ -33,6 +33,7 @@ _LAZY = {
     "tiny_gguf": "unillm.testing._tiny",
     "tiny_hub": "unillm.testing._hub",
     "tiny_embedding_model": "unillm.testing._tiny_embed",
+    "tiny_reranker_model": "unillm.testing._tiny_embed",
     "tiny_lora": "unillm.testing._lora",
     "TinyLora": "unillm.testing._lora",
     "TinyModel": "unillm.testing._tiny",
@@ -59,6 +60,7 @@ __all__ = [
     "tiny_hub",
     "tiny_lora",
     "tiny_model",
+    "tiny_reranker_model",
     "WordVocab",
 ]
 
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from unillm.testing._mock import MockEngine, WordVocab
     from unillm.testing._parity import ParityReport, check_parity
     from unillm.testing._tiny import SIZES, TinyModel, TinySpec, build_tiny_model, tiny_gguf, tiny_model
-    from unillm.testing._tiny_embed import tiny_embedding_model
+    from unillm.testing._tiny_embed import tiny_embedding_model, tiny_reranker_model
 
 
 def __getattr__(name: str) -> Any:

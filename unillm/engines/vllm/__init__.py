@@ -63,6 +63,7 @@ from unillm.backend import (
     KVStats,
     Mailboxes,
     Messages,
+    Pooling,
     RequestState,
     SamplingParams,
     Suitability,
@@ -74,7 +75,9 @@ from unillm.backend import (
     hf_token_bytes,
     host_loop,
     no_chat_template,
+    pooling_for,
     read_tools,
+    task_for,
     template_message,
     template_takes_tools,
     tools_not_rendered,
@@ -84,6 +87,7 @@ from unillm.engines.vllm._build import vllm_build
 from unillm.engines.vllm._lora import LoraRequests, lora_engine_args
 from unillm.engines.vllm._options import VLLMOptions
 from unillm.engines.vllm._parallel import CPU_BIND_VAR, ParallelPlan
+from unillm.engines.vllm._pooling import encode_all, pair_prompts, runner_args
 from unillm.engines.vllm._runtime import EngineLoop, KVNumbers, OutputCapture
 from unillm.engines.vllm._sampling import Piece, piece, sampling_params
 from unillm.engines.vllm._start import import_vllm, numa_nodes, quiet_vllm_logger, start
@@ -134,6 +138,8 @@ class VLLMEngine(Engine[VLLMOptions]):
         sampling=STANDARD_SAMPLING | {"min_tokens", "response_format", "lora"},  # lora: per request
         batching=True,
         lora=True,
+        embeddings=True,  # task="embed": vLLM's pooling runner (engines/vllm/_pooling.py)
+        rerank=True,  # task="rerank": a one-label sequence classifier through the same runner
         devices=frozenset({"cuda", "rocm", "cpu"}),
         speculative=True,
     )
@@ -276,7 +282,43 @@ class VLLMEngine(Engine[VLLMOptions]):
             cpu_ids=cpu_ids,
             numa_nodes=numa_nodes() if cpu else None,
         )
-        return {**args, **lora_engine_args(self.config, self.options, cpu=cpu)}
+        self.task = task_for(self.config, facts.model)
+        self.pooling = pooling_for(self.config, facts.model)
+        runner, notes = runner_args(
+            self.task, self.pooling, args.get("max_model_len"), args.get("max_num_batched_tokens")
+        )
+        self._notes += notes
+        return {**args, **runner, **lora_engine_args(self.config, self.options, cpu=cpu)}
+
+    # ---- embed and rerank: vLLM's pooling runner ----
+
+    async def _encode_all(self, prompts: list[list[int]], task: str) -> list[Any]:
+        try:
+            return await encode_all(self._running(), self._vllm, prompts, task)
+        except Exception as exc:
+            raise self._generation_error(exc) from exc
+
+    def _embed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        import numpy as np
+
+        self._loop.refuse_blocking()
+        return np.stack([o.numpy() for o in self._loop.call(self._encode_all(batch, "embed"))])
+
+    async def _aembed(self, batch: list[list[int]], pooling: Pooling) -> Any:
+        import numpy as np
+
+        work = self._encode_all(batch, "embed")
+        if self._loop.on_loop():
+            outs = await work
+        else:
+            outs = await asyncio.wrap_future(self._loop.submit(work))
+        return np.stack([o.numpy() for o in outs])
+
+    def _rerank(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        self._loop.refuse_blocking()
+        prompts = pair_prompts(self._tok, query, documents, self._max_len)
+        outs = self._loop.call(self._encode_all(prompts, "classify"))
+        return [float(o.reshape(-1)[0]) for o in outs], sum(map(len, prompts))
 
     # ---- stream ----
 

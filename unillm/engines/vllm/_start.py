@@ -35,6 +35,7 @@ class VLLMModules:
     """The parts of vLLM the backend uses, imported once at load."""
 
     def __init__(self) -> None:
+        from vllm import PoolingParams
         from vllm import SamplingParams as VSamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.inputs import tokens_input
@@ -42,6 +43,7 @@ class VLLMModules:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.SamplingParams = VSamplingParams
+        self.PoolingParams = PoolingParams
         self.AsyncEngineArgs = AsyncEngineArgs
         self.AsyncLLM = AsyncLLM
         self.RequestOutputKind = RequestOutputKind
