@@ -537,7 +537,7 @@ def test_bodies_over_the_limit_are_413_with_or_without_a_length(guarded: Server,
 
 @needs_llama_cpp
 def test_unknown_routes_and_bad_bodies_get_json_errors(server: Server, tiny: TinyModel) -> None:
-    for method, path in (("GET", "/v2/nothing"), ("POST", "/v1/embeddings"), ("GET", "/v1/models/no-such")):
+    for method, path in (("GET", "/v2/nothing"), ("POST", "/v1/audio/speech"), ("GET", "/v1/models/no-such")):
         r = httpx.request(method, server.url + path, timeout=10)
         assert r.status_code == 404 and r.headers["content-type"] == "application/json"
         assert r.json()["error"]["message"]

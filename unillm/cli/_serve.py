@@ -6,7 +6,7 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -38,6 +38,14 @@ def serve(
     context: RunContextOpt = None,
     concurrency: Annotated[
         int | None, typer.Option(help="Requests you expect at once: the workload the backend is chosen for.")
+    ] = None,
+    task: Annotated[
+        Literal["generate", "embed", "rerank"] | None,
+        typer.Option(help="What to load MODEL for; default: what it is (docs/embeddings.md)."),
+    ] = None,
+    pooling: Annotated[
+        Literal["mean", "last", "cls"] | None,
+        typer.Option(help="How an embedding model pools; default: the model's."),
     ] = None,
     host: Annotated[
         str | None, typer.Option(help="Address to bind (default 127.0.0.1: this machine only).")
@@ -72,7 +80,8 @@ def serve(
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
-    """Serve models over the OpenAI (and Anthropic Messages) HTTP API."""
+    """Serve models over the OpenAI (and Anthropic Messages) HTTP API: chat, completions,
+    embeddings and rerank."""
     from unillm.cli._run import _loading, _parse_options
     from unillm.server import Pool, default_alias, model_spec, read_server_config, served_config
 
@@ -85,12 +94,13 @@ def serve(
             from unillm import read_config
 
             engine = read_config(None, model=model, backend=backend, context_length=context,
-                                 options=opts or None, concurrency=concurrency)  # fmt: skip
+                                 options=opts or None, concurrency=concurrency, task=task,
+                                 pooling=pooling)  # fmt: skip
             name = default_alias(engine.model) if alias is None else alias  # --alias "" is refused
             specs.append(model_spec(name, engine.model_dump(exclude_unset=True)))
-        elif alias is not None or backend or opts or context or concurrency:
-            raise _bad("--alias, --backend, --option, --context and --concurrency go with MODEL; with "
-                       "--config, set them in the [models.<alias>] tables")  # fmt: skip
+        elif alias is not None or backend or opts or context or concurrency or task or pooling:
+            raise _bad("--alias, --backend, --option, --context, --concurrency, --task and --pooling go "
+                       "with MODEL; with --config, set them in the [models.<alias>] tables")  # fmt: skip
         cfg = read_server_config(
             config, models=specs, host=host, port=port, api_key=api_key, max_queue=max_queue,
             max_running=max_running, max_tokens=max_tokens, max_body_bytes=max_body_bytes, lazy=lazy,

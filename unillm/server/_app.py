@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from unillm.server import _anthropic, _completions, _openai
+from unillm.server import _anthropic, _completions, _embeddings, _openai
 from unillm.server._config import ServerConfig
 from unillm.server._errors import ApiError, error_response, install, shutting_down
 from unillm.server._generate import RequestRecord
@@ -61,6 +61,7 @@ def create_app(config: ServerConfig, *, pool: Pool | None = None) -> FastAPI:
     app.include_router(_openai.router)
     app.include_router(_completions.router)
     app.include_router(_anthropic.router)
+    app.include_router(_embeddings.router)
     _add_routes(app, state)
     app.add_middleware(Edge, state=state)
     return app
@@ -310,7 +311,8 @@ def _too_large(limit: int) -> ApiError:
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-           "/v1/models", "/tokenize", "/detokenize", "/health", "/ready", "/metrics")  # fmt: skip
+           "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/rerank", "/v1/models", "/tokenize",
+           "/detokenize", "/health", "/ready", "/metrics")  # fmt: skip
 
 
 def _route(path: str) -> str:
@@ -335,7 +337,8 @@ def _log_access(scope: dict[str, Any], status: int, r: RequestRecord, total: flo
 
 def _served(engine: Any) -> dict[str, Any]:
     """What a loaded model's engine honours, for clients that adapt (vLLM's ``max_model_len``, the
-    sampling parameters its backend takes: anything else is a 400), and whether it batches."""
+    sampling parameters its backend takes: anything else is a 400), whether it batches, and what
+    it is loaded for (``task``: generate, embed or rerank) and how it pools, where it can tell."""
     if engine is None or not engine.loaded:
         return {}
     caps = engine.capabilities
@@ -343,4 +346,6 @@ def _served(engine: Any) -> dict[str, Any]:
         "max_model_len": engine.context_length,
         "sampling": sorted(caps.sampling),
         "batching": caps.batching,
+        "task": engine.task,
+        "pooling": engine.pooling if engine.task == "embed" else None,
     }

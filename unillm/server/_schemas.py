@@ -201,3 +201,46 @@ class CountTokensRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+
+
+# ---- embeddings and rerank ----
+
+
+class EmbeddingRequest(_Body):
+    """``/v1/embeddings``, OpenAI's shape: ``input`` is one text, a list of texts, one list of
+    token ids or a list of them. ``truncate`` (Hugging Face TEI's name) cuts an input longer than
+    the model takes to its first tokens instead of refusing it."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    truncate: bool = False
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_kind_of_input(cls, value: Any) -> Any:
+        """One message for a mixed or odd list, rather than one per member of the union."""
+        if isinstance(value, str):
+            return value
+        kinds = {type(v) for v in value} if isinstance(value, list) else {dict}
+        if len(kinds) <= 1 and kinds <= {str, int, list}:
+            return value
+        raise ValueError("input is a text, a list of texts, a list of token ids or a list of token id lists")
+
+
+class RerankDocument(_Body):
+    text: str
+
+
+class RerankRequest(_Body):
+    """``/v1/rerank`` and ``/v2/rerank``, Jina's and Cohere's shape: a document is a text or
+    ``{"text": ...}``; ``return_documents`` (default true, as Jina's) echoes each one's text."""
+
+    model: str
+    query: str
+    documents: list[str | RerankDocument] = Field(min_length=1)
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    user: str | None = None
