@@ -27,7 +27,7 @@ from unillm.server import Pool, ServerConfig, create_app, model_spec
 from unillm.testing import MockEngine, TinyModel, tiny_embedding_model
 
 from ._server_util import Server, metric, metrics, start_server, wait_until
-from .conftest import HAS_LLAMA_CPP, HAS_VLLM
+from .conftest import HAS_LLAMA_CPP
 
 pytestmark = pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed")
 
@@ -282,42 +282,6 @@ def test_a_reranker_answers_in_cohere_and_jinas_shape() -> None:
             await pool.close()
 
     asyncio.run(main())
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_a_vllm_reranker_served_ranks_the_documents(tmp_path: Path) -> None:
-    """A real cross-encoder through the server: the tiny one-label classifier on vLLM (a server
-    of its own, started for this test: 25-60 s on the CPU build)."""
-    if not HAS_VLLM:
-        pytest.skip("vllm is not installed")
-    try:
-        from unillm.testing import tiny_reranker_model
-    except ImportError:
-        pytest.skip("unillm.testing has no tiny_reranker_model")
-    path = tiny_reranker_model(cache_dir=tmp_path)
-    options = ["enforce_eager=true", f"kv_cache_memory_bytes={64 << 20}", "max_num_seqs=16"]
-    args = [str(path), "--backend", "vllm", "--task", "rerank", "--alias", "rr", "--context", "256"]
-    s = start_server(args + [a for o in options for a in ("--option", o)], timeout_s=300)
-    try:
-        docs = ["Paris is the capital of France.", "Why is the sky blue?", "0 1 2 3", "Hello, world!"]
-        ask = {"model": "rr", "query": "What is the capital of France?", "documents": docs}
-        r = httpx.post(s.url + "/v2/rerank", json=ask, timeout=60)
-        assert r.status_code == 200, r.text
-        results = r.json()["results"]
-        assert sorted(x["index"] for x in results) == [0, 1, 2, 3]
-        scores = [x["relevance_score"] for x in results]
-        assert scores == sorted(scores, reverse=True)
-        assert [x["document"]["text"] for x in results] == [docs[x["index"]] for x in results]
-        assert r.json()["usage"]["total_tokens"] > 0
-        top = httpx.post(s.url + "/v1/rerank", json={**ask, "top_n": 2}, timeout=60).json()["results"]
-        assert [x["index"] for x in top] == [x["index"] for x in results[:2]]
-        listed = httpx.get(s.v1 + "/models").json()["data"][0]
-        assert listed["task"] == "rerank"
-        r = httpx.post(s.v1 + "/embeddings", json={"model": "rr", "input": "a"}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
-    finally:
-        s.stop()
 
 
 # ---- the edge, in-process: the key and the body limit hold on these routes ----

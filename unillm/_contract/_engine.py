@@ -381,7 +381,8 @@ class Engine(Lifetime, Generic[P]):
         if self.embeds_text:
             raw, tokens = await self._aembed(job.inputs, job.pooling)
             return job.finish(raw, tokens, ())
-        batch, cut = self._embed_inputs(job)
+        # tokenizing many inputs is CPU work: off the caller's loop, which serves other requests
+        batch, cut = await asyncio.to_thread(self._embed_inputs, job)
         return job.finish(await self._aembed(batch, job.pooling), sum(map(len, batch)), cut)
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None) -> Reranked:
