@@ -7,9 +7,10 @@
 
 Workloads are data (``BenchWorkload``, also importable as ``Workload``, or a TOML / Python file
 read by ``load_workload``); targets are an engine in this process (``bench_engine``), a model on
-several backends (``bench_backends``) or an OpenAI-compatible URL (``bench_url``). Nothing here is
-imported by ``import unillm``; matplotlib and httpx are imported only when plotting and when
-benchmarking a URL.
+several backends (``bench_backends``) or an OpenAI-compatible URL (``bench_url``); embeddings,
+``engine.embed`` by batch size, with ``bench_embed`` and ``bench_embed_backends`` (an
+``EmbedWorkload``). Nothing here is imported by ``import unillm``; matplotlib and httpx are imported
+only when plotting and when benchmarking a URL.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _LAZY = {
     "bench_engine": "unillm.bench._api",
     "bench_backends": "unillm.bench._api",
     "bench_url": "unillm.bench._api",
+    "EmbedWorkload": "unillm.bench._workload",
+    "bench_embed": "unillm.bench._embed",
+    "bench_embed_backends": "unillm.bench._embed",
     "write_result": "unillm.bench._result",
     "read_result": "unillm.bench._result",
     "compare": "unillm.bench._result",
@@ -45,12 +49,15 @@ __all__ = [
     "Arrival",
     "BenchError",
     "BenchWorkload",
+    "EmbedWorkload",
     "IncompleteResult",
     "Lengths",
     "RequestRecord",
     "Workload",
     "WorkloadMismatch",
     "bench_backends",
+    "bench_embed",
+    "bench_embed_backends",
     "bench_engine",
     "bench_url",
     "compare",
@@ -64,11 +71,20 @@ __all__ = [
 
 if TYPE_CHECKING:
     from unillm.bench._api import bench_backends, bench_engine, bench_url
+    from unillm.bench._embed import bench_embed, bench_embed_backends
     from unillm.bench._meta import BenchError, IncompleteResult, WorkloadMismatch
     from unillm.bench._metrics import RequestRecord, percentile
     from unillm.bench._report import plot, table
     from unillm.bench._result import SCHEMA, compare, read_result, write_result
-    from unillm.bench._workload import SLO, Arrival, BenchWorkload, Lengths, Workload, load_workload
+    from unillm.bench._workload import (
+        SLO,
+        Arrival,
+        BenchWorkload,
+        EmbedWorkload,
+        Lengths,
+        Workload,
+        load_workload,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,10 @@ Per level: requests/s and output tok/s over the level's wall time (first send to
 waiting included); ``decode_tokens_per_s`` = sum of (output - 1) / sum of (E2E - TTFT) (how fast
 one sequence decodes); percentiles by linear interpolation between order statistics (numpy's
 default, which vLLM uses); goodput = requests that succeeded and met every SLO bound given.
+
+An embedding level (``summarize_embed``: one ``engine.embed`` call of ``batch_size`` texts per
+record, not streamed) has texts/s and tokens/s over its wall time and the percentiles of a call's
+latency (its E2E).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 from unillm.bench._workload import SLO
 
-__all__ = ["PERCENTILES", "RequestRecord", "Stats", "percentile", "stats", "summarize"]
+__all__ = ["PERCENTILES", "RequestRecord", "Stats", "percentile", "stats", "summarize", "summarize_embed"]
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -138,8 +142,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, *, wall_s: float | Non
     """The level's figures from its records (see the module docstring for each definition)."""
     done = [r for r in records if r.ok]
     if wall_s is None:
-        ends = [r.end for r in done if r.end is not None]
-        wall_s = (max(ends) - min(r.send for r in records)) if ends else 0.0
+        wall_s = _wall_s(records)
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.input_tokens for r in done)
     ttfts = [x for r in done if (x := r.ttft) is not None]
@@ -178,4 +181,37 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, *, wall_s: float | Non
         "output_len_mismatches": sum(1 for r in done if r.output_asked and r.output_tokens != r.output_asked),
         "cached_prompt_tokens": sum(cached) if cached else None,
         "engine_peak_memory_bytes": max(peaks) if peaks else None,
+    }
+
+
+def _wall_s(records: Sequence[RequestRecord]) -> float:
+    """First send to last end of the requests that ended (0 when none did)."""
+    ends = [r.end for r in records if r.ok and r.end is not None]
+    return (max(ends) - min(r.send for r in records)) if ends else 0.0
+
+
+def summarize_embed(
+    records: Sequence[RequestRecord], batch_size: int, *, wall_s: float | None = None
+) -> dict[str, Any]:
+    """An embedding level's figures: each record one call of ``batch_size`` texts."""
+    done = [r for r in records if r.ok]
+    if wall_s is None:
+        wall_s = _wall_s(records)
+    texts = batch_size * len(done)
+    tokens = sum(r.input_tokens for r in done)
+    per_s = (lambda n: n / wall_s) if wall_s > 0 else (lambda n: None)
+    latency = [x for r in done if (x := r.e2e) is not None]
+    return {
+        "calls": len(records),
+        "completed": len(done),
+        "errors": dict(Counter(r.error for r in records if r.error is not None)),
+        "wall_s": wall_s,
+        "batch_size": batch_size,
+        "texts": texts,
+        "input_tokens": tokens,
+        "calls_per_s": per_s(len(done)),
+        "texts_per_s": per_s(texts),
+        "tokens_per_s": per_s(tokens),
+        "latency": stats(latency).__dict__,
+        "latency_per_text": stats(x / batch_size for x in latency).__dict__,
     }

@@ -2,6 +2,8 @@
 
 ``table(results)`` has one row per engine and level; ``plot(results, directory)`` writes latency
 CDFs (TTFT, TPOT, E2E) and output tok/s and p99 TTFT against concurrency, one line per engine.
+An embedding benchmark's results (``"task": "embed"``) get a table and a plot of their own: texts/s,
+tokens/s and call latency by batch size.
 matplotlib is imported only here, only when plotting (the ``bench`` extra).
 """
 
@@ -37,7 +39,11 @@ _HEAD = (
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    """A markdown table of every level of every result."""
+    """A markdown table of every level of every result (embedding results in a table of their own)."""
+    embeds = [r for r in results if r.get("task") == "embed"]
+    results = [r for r in results if r.get("task") != "embed"]
+    if embeds:
+        return "\n\n".join(t for t in (table(results) if results else "", _embed_table(embeds)) if t)
     lines = [_HEAD, "|" + "---|" * _HEAD.count(" | ") + "---|"]
     for result in results:
         name = label(result) + (" (partial)" if result.get("partial") else "")
@@ -58,6 +64,31 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 f"| {_ms(s['e2e']['p99'])} | {_num(good * 100 if good is not None else None, '{:.0f}%')} "
                 f"| {errors} | {_num(rss / 2**20 if rss else None, '{:.0f}')} "
                 f"| {_num(mem.get('plan_over_peak_rss'), '{:.2f}')} |"
+            )
+    return "\n".join(lines)
+
+
+_EMBED_HEAD = (
+    "| engine | batch | texts/s | tokens/s | calls/s | latency p50 / p90 / p99 ms | ms per text p50 "
+    "| errors | peak RSS MiB |"
+)
+
+
+def _embed_table(results: Sequence[dict[str, Any]]) -> str:
+    lines = [_EMBED_HEAD, "|" + "---|" * _EMBED_HEAD.count(" | ") + "---|"]
+    for result in results:
+        name = label(result) + (" (partial)" if result.get("partial") else "")
+        for level in result["levels"]:
+            s = level["summary"]
+            lat = s["latency"]
+            rss = level["memory"].get("peak_rss_bytes")
+            errors = ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "0"
+            lines.append(
+                f"| {name} | {level['value']:g} | {_num(s['texts_per_s'])} | {_num(s['tokens_per_s'])} "
+                f"| {_num(s['calls_per_s'], '{:.2f}')} "
+                f"| {_ms(lat['p50'])} / {_ms(lat['p90'])} / {_ms(lat['p99'])} "
+                f"| {_ms(s['latency_per_text']['p50'])} | {errors} "
+                f"| {_num(rss / 2**20 if rss else None, '{:.0f}')} |"
             )
     return "\n".join(lines)
 
@@ -87,7 +118,12 @@ def plot(results: Sequence[dict[str, Any]], directory: str | Path, *, stem: str 
     """Write ``STEM-cdf.png`` (latency CDFs, one line per engine and level) and, when the results
     sweep more than one level, ``STEM-sweep.png`` (output tok/s and p99 TTFT against the level,
     one line per engine); the paths written. Each figure is titled with the model, the engines,
-    the machine and the date (``plot_title``), each axis with its unit."""
+    the machine and the date (``plot_title``), each axis with its unit. Embedding results are
+    drawn apart (``STEM-embed.png``: texts/s and latency against the batch size)."""
+    embeds = [r for r in results if r.get("task") == "embed"]
+    if embeds:
+        rest = [r for r in results if r.get("task") != "embed"]
+        return _plot_embed(embeds, directory, stem=stem) + (plot(rest, directory, stem=stem) if rest else [])
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
@@ -153,3 +189,40 @@ def plot(results: Sequence[dict[str, Any]], directory: str | Path, *, stem: str 
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _plot_embed(results: Sequence[dict[str, Any]], directory: str | Path, *, stem: str) -> list[Path]:
+    """``STEM-embed.png``: texts/s and call latency (p50, p99) against the batch size, a line per
+    engine; the paths written (none without results)."""
+    if not results:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(directory)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for result in results:
+        xs = [lv["value"] for lv in result["levels"]]
+        sums = [lv["summary"] for lv in result["levels"]]
+        left.plot(xs, [s["texts_per_s"] or 0 for s in sums], "o-", label=label(result))
+        for p, style in (("p50", "o-"), ("p99", "x--")):
+            ys = [(s["latency"][p] or 0) * 1000 for s in sums]
+            right.plot(xs, ys, style, label=f"{label(result)} {p}")
+    sizes = sorted({lv["value"] for r in results for lv in r["levels"]})
+    for ax, title, unit in ((left, "texts/s", "texts/s"), (right, "call latency (ms)", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{x:g}" for x in sizes])
+        ax.set_xlabel("batch size (texts per call)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(plot_title(results), fontsize=10)
+    fig.tight_layout()
+    path = out_dir / f"{stem}-embed.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]

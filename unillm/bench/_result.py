@@ -11,6 +11,8 @@ Layout (``schema`` = ``SCHEMA``)::
 
 ``summary`` is recomputed from ``records`` on read, so a file's figures always follow the
 definitions in ``unillm.bench._metrics`` (and a hand-edited summary cannot disagree with its data).
+An embedding benchmark's result (``unillm.bench._embed``) says ``"task": "embed"``: its levels are
+batch sizes, its records ``embed`` calls, and it has no ``output_lengths``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unillm.bench._meta import BenchError, WorkloadMismatch, check_metadata
-from unillm.bench._metrics import RequestRecord, summarize
-from unillm.bench._workload import BenchWorkload
+from unillm.bench._metrics import RequestRecord, summarize, summarize_embed
+from unillm.bench._workload import BenchWorkload, EmbedWorkload
 
 if TYPE_CHECKING:
     from unillm._plan._estimate import Plan
@@ -148,11 +150,22 @@ def read_result(path: str | Path) -> dict[str, Any]:
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != SCHEMA:
         raise BenchError(f"{str(p)!r} is not a {SCHEMA} result (schema {schema!r})")
+    if data.get("task") == "embed":  # unillm.bench._embed's: levels of batch sizes
+        _embed_levels(data)
+        return data
     workload = BenchWorkload(**data["metadata"]["workload"])
     for level in data["levels"]:
         records = [RequestRecord.from_dict(r) for r in level["records"]]
         level["summary"] = summarize(records, workload.slo, wall_s=level["summary"]["wall_s"])
     return data
+
+
+def _embed_levels(data: dict[str, Any]) -> None:
+    """An embedding result's summaries recomputed from its records (each an ``embed`` call)."""
+    EmbedWorkload(**data["metadata"]["workload"])  # a bad workload fails here, as a generate one's does
+    for level in data["levels"]:
+        records = [RequestRecord.from_dict(r) for r in level["records"]]
+        level["summary"] = summarize_embed(records, int(level["value"]), wall_s=level["summary"]["wall_s"])
 
 
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:

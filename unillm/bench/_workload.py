@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from unillm._errors import ConfigError
 from unillm._params import Validated
 
-__all__ = ["SLO", "Arrival", "BenchWorkload", "Lengths", "Workload", "load_workload"]
+__all__ = ["SLO", "Arrival", "BenchWorkload", "EmbedWorkload", "Lengths", "Workload", "load_workload"]
 
 
 class Lengths(Validated):
@@ -162,6 +162,44 @@ class BenchWorkload(Validated):
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able data, the form results record and compare."""
         return json.loads(self.model_dump_json())
+
+
+class EmbedWorkload(Validated):
+    """An embedding benchmark: ``requests`` calls of each batch size, texts of ``input_len`` tokens."""
+
+    name: str = Field(default="embed", description="A label for reports.")
+    task: Literal["embed"] = "embed"
+    input_len: Lengths = Field(default_factory=lambda: Lengths(mean=128))
+    batch_sizes: tuple[int, ...] = Field(default=(1, 8, 32), min_length=1, description="Texts per call.")
+    requests: int = Field(default=16, ge=1, description="Calls per batch size.")
+    warmup: int = Field(default=1, ge=0, description="Unmeasured calls before each batch size.")
+    seed: int = 0
+    normalize: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthands(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if "input_len" in data:
+                data["input_len"] = _lengths(data["input_len"])
+            if isinstance(data.get("batch_sizes"), int):
+                data["batch_sizes"] = (data["batch_sizes"],)
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EmbedWorkload:
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError("batch sizes must be at least 1")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data, the form results record and compare."""
+        return dict(json.loads(self.model_dump_json()))
+
+    def prompt_workload(self) -> BenchWorkload:
+        """The generate workload whose prompts are this one's texts (``Prompts`` draws them)."""
+        return BenchWorkload(input_len=self.input_len, output_len=Lengths(mean=1), seed=self.seed)
 
 
 #: The name ``unillm.bench`` gave it first, kept: ``unillm.Workload`` is the planner's (context,
