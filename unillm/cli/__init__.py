@@ -16,6 +16,7 @@ from unillm.cli._bench import bench_app
 from unillm.cli._common import _console, _esc
 from unillm.cli._demo import build_tiny, demo
 from unillm.cli._doctor import backends_cmd, doctor
+from unillm.cli._embed import embed
 from unillm.cli._models import models_cmd, pull, rm
 from unillm.cli._plan import inspect_cmd, plan_cmd, select_cmd
 from unillm.cli._run import chat, generate
@@ -75,6 +76,7 @@ app.command("plan")(plan_cmd)
 app.command("select")(select_cmd)
 app.command()(generate)
 app.command()(chat)
+app.command()(embed)
 app.command()(serve)
 app.command()(pull)
 app.command("models")(models_cmd)

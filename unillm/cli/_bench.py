@@ -14,7 +14,7 @@ import datetime as _dt
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from typer.core import TyperGroup
@@ -98,6 +98,10 @@ def run_cmd(
     backends: Annotated[
         str | None, typer.Option(help="Comma-separated backends to run side by side.")
     ] = None,
+    task: Annotated[
+        Literal["generate", "embed"],
+        typer.Option(help="What to measure: generation, or embeddings (engine.embed by batch size)."),
+    ] = "generate",
     url: Annotated[str | None, typer.Option(help="An OpenAI-compatible server to benchmark instead.")] = None,
     servers: Annotated[
         str | None,
@@ -118,7 +122,9 @@ def run_cmd(
     workload: Annotated[
         Path | None, typer.Option(help="A workload file (TOML, or Python defining WORKLOAD).")
     ] = None,
-    requests: Annotated[int | None, typer.Option(help="Requests per level.")] = None,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests per level; --task embed: calls per batch size.")
+    ] = None,
     duration: Annotated[
         float | None, typer.Option(help="Seconds per level, instead of a request count.")
     ] = None,
@@ -126,7 +132,12 @@ def run_cmd(
     rate: Annotated[
         str | None, typer.Option(help="Request rates per second (Poisson arrivals), e.g. 2,8.")
     ] = None,
-    input_len: Annotated[int | None, typer.Option(help="Prompt tokens (fixed).")] = None,
+    input_len: Annotated[
+        int | None, typer.Option(help="Prompt tokens (fixed); --task embed: each text's.")
+    ] = None,
+    batch_sizes: Annotated[
+        str | None, typer.Option(help="--task embed: texts per call, one level each (default 1,8,32).")
+    ] = None,
     output_len: Annotated[int | None, typer.Option(help="Output tokens (fixed).")] = None,
     stream: Annotated[bool | None, typer.Option("--stream/--no-stream", help="Stream responses.")] = None,
     chat: Annotated[bool, typer.Option(help="Send chat requests instead of completions.")] = False,
@@ -177,6 +188,13 @@ def run_cmd(
     from unillm.bench._result import write_result
     from unillm.bench._workload import BenchWorkload, load_workload
 
+    if task == "embed":
+        _embed_only(model, url=url, servers=servers, workload=workload, duration=duration,
+                    concurrency=concurrency, rate=rate, output_len=output_len, stream=stream,
+                    chat=chat or None, structured=structured or None, interleave=interleave or None,
+                    price_per_hour=price_per_hour)  # fmt: skip
+    elif batch_sizes is not None:
+        raise _bad("--batch-sizes goes with --task embed")
     if (model is None) == (url is None):
         raise _bad("give a MODEL (with --backends or --servers) or --url, one of them")
     if (option or config) and (url is not None or servers is not None):
@@ -186,32 +204,50 @@ def run_cmd(
     if servers is not None and (backends is not None or url is not None):
         raise _bad("--servers compares servers on MODEL: not with --backends or --url")
     with _reported():
-        base = load_workload(workload).as_dict() if workload else {}
-        overrides: dict[str, Any] = {
-            "requests": requests,
-            "duration_s": duration,
-            "concurrency": _ints(concurrency, "--concurrency"),
-            "rates": _floats(rate, "--rate"),
-            "input_len": input_len,
-            "output_len": output_len,
-            "stream": stream,
-            "warmup": warmup,
-            "seed": seed,
-        }
-        if chat:
-            overrides["mode"] = "chat"
-        if structured:
-            overrides["structured"] = True
-        if overrides["rates"] and "arrival" not in base:
-            overrides["arrival"] = {"process": "poisson"}
-        if duration is not None and requests is None:
-            base.pop("requests", None)
-        wl = BenchWorkload(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+        if task == "embed":
+            from unillm.bench._workload import EmbedWorkload
+
+            sizes = _ints(batch_sizes, "--batch-sizes")
+            given: dict[str, Any] = {"requests": requests, "input_len": input_len, "warmup": warmup,
+                                     "seed": seed, "batch_sizes": sizes}  # fmt: skip
+            ewl = EmbedWorkload(**{k: v for k, v in given.items() if v is not None})
+        else:
+            base = load_workload(workload).as_dict() if workload else {}
+            overrides: dict[str, Any] = {
+                "requests": requests,
+                "duration_s": duration,
+                "concurrency": _ints(concurrency, "--concurrency"),
+                "rates": _floats(rate, "--rate"),
+                "input_len": input_len,
+                "output_len": output_len,
+                "stream": stream,
+                "warmup": warmup,
+                "seed": seed,
+            }
+            if chat:
+                overrides["mode"] = "chat"
+            if structured:
+                overrides["structured"] = True
+            if overrides["rates"] and "arrival" not in base:
+                overrides["arrival"] = {"process": "poisson"}
+            if duration is not None and requests is None:
+                base.pop("requests", None)
+            wl = BenchWorkload(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
         bar, update = _progress()
         if bar is not None:
             bar.start()
         try:
-            if servers is not None:
+            if task == "embed":
+                from unillm.bench._embed import bench_embed_backends
+
+                assert model is not None
+                chosen: list[str | None] = [b.strip() for b in (backends or "").split(",") if b.strip()]
+                options, tables = _bench_options(option, config, chosen)
+                results = bench_embed_backends(
+                    model, chosen or [None], ewl, context_length=context, progress=update,
+                    options=options, backend_options=tables,
+                )  # fmt: skip
+            elif servers is not None:
                 from unillm.bench._servers import bench_servers
 
                 assert model is not None
@@ -261,7 +297,7 @@ def run_cmd(
             for line in ratios(results):
                 print(line)
         for result in results:
-            if not result["output_lengths"]["enforced"]:
+            if not result.get("output_lengths", {"enforced": True})["enforced"]:
                 how = result["output_lengths"]["how"]
                 print(f"note: {result['metadata']['engine']['name']}: output lengths {how}")
         if plots:
@@ -269,6 +305,18 @@ def run_cmd(
                 _console(stderr=True).print(f"wrote {path}", highlight=False)
     if any(r["partial"] for r in results):
         raise typer.Exit(_EXIT_INTERRUPTED)
+
+
+def _embed_only(model: str | None, **given: Any) -> None:
+    """``--task embed`` runs MODEL's engines here, by batch size: the flags that shape generation
+    (or a server's run) do not apply, and are refused rather than ignored."""
+    flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    if flags:
+        raise _bad(f"{', '.join(flags)} do{'es' * (len(flags) == 1)} not go with --task embed, which "
+                   "calls engine.embed here on MODEL by batch size (--batch-sizes, --input-len, "
+                   "--requests)")  # fmt: skip
+    if model is None:
+        raise _bad("--task embed benchmarks MODEL's engines in this process: give MODEL")
 
 
 @bench_app.command("compare")

@@ -58,8 +58,11 @@ def _open_engine(
     backend: str | None,
     context: int | None,
     options: list[str] | None,
+    task: str | None = None,
+    pooling: str | None = None,
 ) -> Engine[Any]:
-    """Load the engine the command line describes: --config, then the flags, then UNILLM_*."""
+    """Load the engine the command line describes: --config, then the flags, then UNILLM_*
+    (``task`` and ``pooling``: what ``unillm embed`` loads for)."""
     from unillm import load_engine, read_config
 
     opts = _parse_options(options)
@@ -70,6 +73,8 @@ def _open_engine(
             backend=backend,
             context_length=context,
             options=opts or None,
+            task=task,
+            pooling=pooling,
         )
         with _loading(cfg):
             return load_engine(cfg)
