@@ -111,3 +111,36 @@ def test_rerank_scores_are_the_score_head_over_the_last_state(
         llama_embed.rerank(query, docs)
     with pytest.raises(ConfigError, match="top_n is a positive int"):
         engine.rerank(query, docs, top_n=0)
+
+
+def test_the_server_serves_the_reranker_in_cohere_and_jinas_shape(reranker: tuple[Any, Path]) -> None:
+    """unillm serve's app over this (already started) reranker: /v2/rerank in Cohere's shape,
+    /v1/rerank with top_n in Jina's, the engine's own scores; an embeddings request is a 400."""
+    import httpx
+
+    from unillm.server import Pool, ServerConfig, create_app, model_spec
+
+    engine, path = reranker
+    cfg = ServerConfig(models=(model_spec("rr", {"model": str(path), "backend": "vllm"}),), lazy=True)
+    app = create_app(cfg, pool=Pool(cfg, loader=lambda config: engine))  # the pool is never closed:
+    query = "What is the capital of France?"  # the module's fixture closes the engine
+    docs = ["Paris is the capital of France.", "Why is the sky blue?", "0 1 2 3", "Hello, world!"]
+    want = engine.rerank(query, docs)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://u") as c:
+            r = await c.post("/v2/rerank", json={"model": "rr", "query": query, "documents": docs})
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert [(x["index"], x["relevance_score"]) for x in got["results"]] == [
+                (w.index, pytest.approx(w.score, rel=1e-5)) for w in want
+            ]
+            assert [x["document"]["text"] for x in got["results"]] == [docs[w.index] for w in want]
+            assert got["meta"]["billed_units"]["input_tokens"] == want.usage.prompt_tokens
+            jina = {"model": "rr", "query": query, "documents": [{"text": d} for d in docs], "top_n": 2}
+            r = await c.post("/v1/rerank", json=jina)
+            assert [x["index"] for x in r.json()["results"]] == [w.index for w in want][:2]
+            r = await c.post("/v1/embeddings", json={"model": "rr", "input": "a"})
+            assert r.status_code == 400 and "task='embed'" in r.json()["error"]["message"]
+
+    asyncio.run(main())
