@@ -33,7 +33,7 @@ from unillm import (
     UnillmError,
     UnsupportedParameter,
 )
-from unillm.testing import Conformance, TinyModel, check_closed, check_engine
+from unillm.testing import Conformance, TinyModel, check_closed, check_engine, tiny_embedding_model
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("fastapi") is None,
@@ -360,6 +360,59 @@ class TestConformance(Conformance):
     # without token ids the parity report cannot compare ids; the text parity is
     # test_greedy_text_and_usage_equal_the_in_process_engine above
     test_greedy_parity_with_the_reference_engine = None
+
+    @pytest.fixture
+    def unillm_embed_engine(self, embed_engine: OpenAIHTTPEngine) -> OpenAIHTTPEngine:
+        return embed_engine
+
+    @pytest.fixture
+    def unillm_embed_reference(self, local_embed: Any) -> Any:
+        return local_embed
+
+
+@pytest.fixture(scope="module")
+def embed_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return tiny_embedding_model("last", cache_dir=tmp_path_factory.mktemp("embed"))
+
+
+@pytest.fixture(scope="module")
+def embed_server(embed_model: TinyModel, logs: Path) -> Iterator[Proc]:
+    """unillm serve with the tiny embedding GGUF (it loads for embed from the file's pooling)."""
+    s = unillm_serve(embed_model.gguf_path, free_port(), logs / "unillm-serve-embed.log").wait_ready("/ready")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def embed_engine(embed_server: Proc) -> Iterator[OpenAIHTTPEngine]:
+    with OpenAIHTTPEngine({"model": "tiny", "options": {"base_url": embed_server.url}}) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def local_embed(embed_model: TinyModel) -> Iterator[Any]:
+    from unillm.engines.llamacpp import LlamaCppEngine
+
+    with LlamaCppEngine({"model": str(embed_model.gguf_path)}) as e:
+        yield e
+
+
+def test_embeds_through_the_servers_embeddings_route(
+    embed_engine: OpenAIHTTPEngine, local_embed: Any
+) -> None:
+    import numpy as np
+
+    assert (embed_engine.task, embed_engine.pooling) == ("embed", "last")  # as /v1/models lists them
+    texts = ["The quick brown fox", "Hello, world!", "Once upon a time " * 8]
+    got, want = embed_engine.embed(texts), local_embed.embed(texts)
+    assert np.abs(got.array() - want.array()).max() < 1e-5
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert np.abs(asyncio.run(embed_engine.aembed(texts, dimensions=8)).array()
+                  - local_embed.embed(texts, dimensions=8).array()).max() < 1e-5  # fmt: skip
+    with pytest.raises(ConfigError, match="embeds what it is given whole"):
+        embed_engine.embed("x", truncate=True)
+    with pytest.raises(ConfigError, match="load the model with task='generate'"):
+        embed_engine.generate("x", max_tokens=2)  # refused here: the server listed its task
 
 
 def test_close_closes_the_clients_and_the_engine(server: Proc) -> None:
