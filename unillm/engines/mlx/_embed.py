@@ -17,8 +17,9 @@ __all__ = ["embed_batch", "transformer"]
 #: Padded tokens one forward pass takes at most (inputs are grouped under it, longest first).
 _TOKENS_PER_PASS = 8192
 #: The most padding a group carries, as a share of its tokens: on the CPU a padded token costs what
-#: a real one does, so inputs of very different lengths run in groups of their own (measured:
-#: 8 inputs of 8 to 120 tokens padded into one pass ran at 55 tokens/s, one at a time at 96)
+#: a real one does, so inputs of very different lengths run in groups of their own (measured on
+#: the tiny bench model: 4 inputs of 25 to 267 tokens padded into one pass ran at 55 real tokens/s,
+#: one at a time at 96; grouped, 68: docs/benchmarks.md)
 _MAX_PADDING = 0.25
 
 
