@@ -68,6 +68,17 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/plugins.md", "# tests/test_conformance.py"): "a test module: run under pytest with its "
     "conftest by test_the_plugin_conformance_example_runs_with_its_fixtures",
     ("docs/plugins.md", "# tests/conftest.py"): "the conformance example's fixtures: the same test",
+    ("docs/server.md", "embedder.embeddings.create("): "talks to a server serving an embedding model; "
+    "tests/test_server_embeddings.py makes the same call with the same client",
+    ("docs/server.md", "curl http://127.0.0.1:8000/v2/rerank"): "a reranker on vLLM served, then a "
+    "request to it; tests/test_vllm_embed.py serves the tiny reranker and sends the same request",
+    ("docs/embeddings.md", "models/bge-small-en-v1.5-f16.gguf"): "a model of the reader's (no hub "
+    "here); tests/test_embeddings.py makes the same calls on the tiny embedding models",
+    ("docs/embeddings.md", "engine.embed(texts, *, pooling=None"): "the method's signature, not code",
+    ("docs/embeddings.md", "check_parity([llama_embed, mlx_embed]"): "a fragment over engines the page "
+    "names only; tests/test_embeddings.py runs check_parity so",
+    ("docs/embeddings.md", "models/bge-reranker-base"): "a reranker of the reader's on vLLM; "
+    "tests/test_vllm_embed.py reranks with the tiny one",
     ("README.md", "scripts/demo.sh"): "demo.sh runs scripts/bootstrap.sh (an install) first; "
     "test.sh runs the whole suite, this test among it",
     ("docs/index.md", "scripts/demo.sh"): "the same block as README.md's",

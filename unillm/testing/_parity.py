@@ -143,7 +143,7 @@ def check_parity(
     ref = reference if isinstance(reference, str) else list(named)[reference]
     if ref not in named:
         raise ValueError(f"no engine named {ref!r}; have {list(named)}")
-    tasks = {str(e.task) for e in named.values()}
+    tasks = {str(e.task) for e in named.values() if e.task is not None}  # None: a server's, not known
     if tasks == {"embed"}:
         return _vectors(named, prompts, ref, min_cosine)
     if len(tasks) > 1:
