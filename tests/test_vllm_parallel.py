@@ -353,7 +353,7 @@ def test_cpu_tp_splits_the_cores_into_mp_ranks() -> None:
     assert p.cpu_threads_bind == "0-3|4-7"
     assert p.engine_env() == {"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}
     assert p.engine_args()["distributed_executor_backend"] == "mp"
-    assert noted(p, "on CPU tensor parallelism splits the cores", "2 worker processes", "cores 0-3 | 4-7")
+    assert noted(p, "on CPU tensor parallelism splits the cores", "2 worker process(es)", "cores 0-3 | 4-7")
     assert plan(device="cpu", hardware=LAPTOP, model=LLAMA_70B) == ParallelPlan()  # no GPU to fit
 
 
@@ -377,23 +377,38 @@ def test_cpu_binding_is_left_alone_without_cores_or_ranks() -> None:
 
 
 def test_cpu_tp_above_the_cores_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"needs a core per rank, and this process may use 1: use at most"):
+    with pytest.raises(ConfigError, match=r"need a core per rank, and this process may use 1: use at most 1"):
         plan(device="cpu", hardware=None, model=None, tensor_parallel_size=2, cpu_ids=[0])
 
 
-def test_cpu_refuses_pipeline_stages_and_ray_saying_what_works() -> None:
+def test_cpu_runs_pipeline_stages_compiled_each_rank_on_its_cores() -> None:
+    p = plan(device="cpu", hardware=LAPTOP, pipeline_parallel_size=2, cpu_ids=range(8))
+    assert sizes(p) == (1, 2, 1) and p.distributed_executor == "mp"
+    assert p.cpu_threads_bind == "0-3|4-7"
+    assert noted(p, "on CPU pipeline parallelism splits the cores", "2 worker process(es)")
+    both = plan(
+        device="cpu", hardware=None, tensor_parallel_size=2, pipeline_parallel_size=2, cpu_ids=range(8)
+    )
+    assert both.cpu_threads_bind == "0-1|2-3|4-5|6-7"  # vLLM's ranks: tensor innermost
+    assert noted(both, "tensor and pipeline parallelism splits the cores", "4 worker process(es)")
+    compiled = plan(device="cpu", hardware=None, pipeline_parallel_size=2, enforce_eager=False)
+    assert sizes(compiled) == (1, 2, 1)
+
+
+def test_cpu_refuses_pipeline_stages_with_enforce_eager_and_ray_saying_what_works() -> None:
     with pytest.raises(ConfigError) as info:
-        plan(device="cpu", hardware=LAPTOP, pipeline_parallel_size=2)
+        plan(device="cpu", hardware=LAPTOP, pipeline_parallel_size=2, enforce_eager=True)
     msg = str(info.value)
-    assert "pipeline_parallel_size=2 does not run on vLLM's CPU build" in msg
-    assert "KeyError" in msg and "tensor_parallel_size=N" in msg and "'mp'" in msg
+    assert "pipeline_parallel_size=2 with enforce_eager=True does not run on vLLM's CPU build" in msg
+    assert "KeyError" in msg and "leave enforce_eager unset" in msg and "tensor_parallel_size" in msg
     with pytest.raises(ConfigError) as info:
         plan(device="cpu", hardware=LAPTOP, tensor_parallel_size=2, distributed_executor="ray")
     msg = str(info.value)
     assert "does not support ray" in msg and "tensor_parallel_size=N" in msg
-    # the same layouts stay open on GPUs
-    assert sizes(plan(pipeline_parallel_size=2)) == (1, 2, 1)
+    # the same layouts stay open on GPUs, eager included
+    assert sizes(plan(pipeline_parallel_size=2, enforce_eager=True)) == (1, 2, 1)
     assert plan(tensor_parallel_size=2, distributed_executor="ray").distributed_executor == "ray"
+    assert sizes(plan(device="cpu", hardware=None, tensor_parallel_size=2, enforce_eager=True)) == (2, 1, 1)
 
 
 def test_cpu_still_checks_the_model() -> None:
@@ -414,3 +429,68 @@ def test_cpu_binding_is_vllms_own_with_a_numa_node_per_rank() -> None:
     assert noted(p, "a NUMA node each (vLLM's own binding)")
     one_node = plan(device="cpu", hardware=None, tensor_parallel_size=2, cpu_ids=range(64), numa_nodes=1)
     assert one_node.cpu_threads_bind == "0-31|32-63"  # vLLM's "auto" asserts a node per rank
+
+
+# ---- several nodes: vLLM's own multi-node path (nnodes, the mp executor on every node) ----
+
+
+def test_nodes_on_cpu_plan_a_pipeline_stage_per_node_on_mp() -> None:
+    p = plan(device="cpu", hardware=None, nnodes=2, cpu_ids=[0, 1])
+    assert sizes(p) == (1, 2, 1) and p.distributed_executor == "mp"
+    assert p.cpu_threads_bind == "0-1"  # one local rank: all of this node's cores
+    assert noted(p, "nnodes=2, on CPU one rank per node: pipeline_parallel_size=2, a stage on each node")
+    assert noted(p, "each node runs 1 of the 2 ranks", "`unillm serve --headless`")
+
+
+def test_nodes_on_gpus_keep_tensor_parallelism_inside_a_node() -> None:
+    p = plan(nnodes=2)  # two 8-GPU NVSwitch boxes
+    assert sizes(p) == (8, 2, 1) and p.distributed_executor == "mp"
+    assert noted(p, "tensor_parallel_size=8 within each machine, pipeline_parallel_size=2 stages between")
+    pcie = plan(hardware=RTX4090X4, nnodes=2)
+    assert sizes(pcie) == (1, 8, 1)  # no NVLink even inside a node
+    assert sizes(plan(hardware=PAIRS, nnodes=3)) == (2, 6, 1)  # tp within a bridged pair
+    # num_gpus counts the GPUs of all the nodes; without hardware the groups stay inside a node
+    assert sizes(plan(num_gpus=16, nnodes=2)) == (8, 2, 1)
+    assert sizes(plan(hardware=None, num_gpus=8, nnodes=4)) == (2, 4, 1)
+    assert sizes(plan(hardware=None, nnodes=2)) == (1, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "bind"),
+    [
+        ({"tensor_parallel_size": 2}, [1], "1"),  # the loopback test: a rank per node, a core each
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, range(8), "0-3|4-7"),
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, range(8), "0-1|2-3|4-5|6-7"),
+    ],
+)
+def test_nodes_on_cpu_bind_only_this_nodes_ranks(ranks: dict[str, int], cores: Any, bind: str) -> None:
+    p = plan(device="cpu", hardware=None, model=None, nnodes=2, cpu_ids=cores, **ranks)
+    assert p.cpu_threads_bind == bind  # vLLM reads one group per local rank
+
+
+def test_nodes_check_each_nodes_share() -> None:
+    with pytest.raises(ConfigError, match=r"1 x 3 x 1 = 3 ranks cannot be shared out evenly over nnodes=2"):
+        plan(device="cpu", hardware=None, pipeline_parallel_size=3, nnodes=2)
+    with pytest.raises(ConfigError, match=r"16 GPUs \(8 on each of the 2 nodes\), but this machine has 4"):
+        plan(hardware=RTX4090X4, tensor_parallel_size=8, pipeline_parallel_size=2, nnodes=2)
+    fits = plan(hardware=RTX4090X4, tensor_parallel_size=4, pipeline_parallel_size=2, nnodes=2)
+    assert sizes(fits) == (4, 2, 1)
+    with pytest.raises(ConfigError, match=r"num_gpus=12, but each of the 2 nodes has 4 GPUs: ask for"):
+        plan(hardware=RTX4090X4, num_gpus=12, nnodes=2)
+    with pytest.raises(ConfigError, match=r"num_gpus=7 over nnodes=2: .* use a multiple of 2"):
+        plan(num_gpus=7, nnodes=2)
+
+
+def test_tensor_parallelism_across_nodes_is_honoured_with_a_note() -> None:
+    p = plan(device="cpu", hardware=None, tensor_parallel_size=2, nnodes=2, cpu_ids=[0])
+    assert sizes(p) == (2, 1, 1) and p.cpu_threads_bind == "0"
+    assert noted(p, "tensor_parallel_size=2 with 1 rank(s) per node", "all-reduce over the network")
+
+
+def test_nodes_refuse_ray_and_eager_pipelines_on_cpu() -> None:
+    with pytest.raises(ConfigError, match=r"nnodes=2 is vLLM's own multi-node path.*leave nnodes at 1"):
+        plan(tensor_parallel_size=8, nnodes=2, distributed_executor="ray")
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 with enforce_eager=True"):
+        plan(device="cpu", hardware=None, nnodes=2, enforce_eager=True)  # the chosen layout, too
+    with pytest.raises(ConfigError, match=r"nnodes must be 1 or more, not 0"):
+        plan(nnodes=0)

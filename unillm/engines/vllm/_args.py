@@ -108,14 +108,22 @@ def engine_args(
         build's KV space; None when the probe failed.
     :param device: what the installed vLLM build runs on.
     :param cpu_ids: on CPU, the cores this process may run on; ``numa_nodes``: the machine's NUMA
-        nodes (both for the tensor-parallel ranks' binding).
-    :raises ConfigError: for options that disagree, or sizes vLLM would refuse.
+        nodes (both for the binding of this node's ranks).
+    :raises ConfigError: for options that disagree, sizes vLLM would refuse, or a ``node_rank`` above 0
+        (a worker node: ``_headless.run_headless`` runs it, with node 0's arguments and its own rank).
     :raises OutOfMemory: when one sequence's KV cache does not fit the CPU build's share of RAM.
     """
     if opts.max_model_len and context_length and opts.max_model_len != context_length:
         raise ConfigError(
             f"context_length={context_length} and options max_model_len={opts.max_model_len} "
             "disagree; set only one"
+        )
+    if opts.node_rank > 0:
+        raise ConfigError(
+            f"node_rank={opts.node_rank} runs only vLLM workers, no engine: load the engine on node 0 "
+            f"(node_rank=0), and start this node with `unillm serve MODEL --backend vllm --option "
+            f"nnodes={opts.nnodes} --option node_rank={opts.node_rank} --option master_addr=<node 0> "
+            "--headless` (docs/backends/vllm-scale-out.md)"
         )
     cpu = device == "cpu"
     parallel = plan_parallel(
@@ -129,6 +137,8 @@ def engine_args(
         distributed_executor=opts.distributed_executor,
         cpu_ids=cpu_ids if cpu else None,
         numa_nodes=numa_nodes if cpu else None,
+        nnodes=opts.nnodes,
+        enforce_eager=opts.enforce_eager,
     )
     dtype, why = (opts.dtype, "asked for") if opts.dtype else weights_dtype(path, model)
     notes = [f"dtype {dtype}: {why}", *parallel.notes]
@@ -155,6 +165,9 @@ def engine_args(
         "disable_log_stats": True,  # unillm's own stat logger keeps the numbers; nothing printed
         **parallel.engine_args(),
     }
+    if opts.nnodes > 1:
+        args.update(nnodes=opts.nnodes, node_rank=opts.node_rank)
+        args.update({k: v for k in ("master_addr", "master_port") if (v := getattr(opts, k)) is not None})
     if opts.enable_lora:
         args.update(max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
     if opts.enforce_eager is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["VLLMOptions"]
 
@@ -70,6 +70,26 @@ class VLLMOptions(BaseModel):
     distributed_executor: Literal["mp", "ray"] | None = Field(
         default=None, description="mp: processes on this machine; ray: a Ray cluster (several machines)."
     )
+    nnodes: int = Field(
+        default=1,
+        ge=1,
+        description="Machines (nodes) the model spans by vLLM's own multi-node path, without Ray: node "
+        "0 loads the engine, the others run `unillm serve --headless` (docs/backends/vllm-scale-out.md).",
+    )
+    node_rank: int = Field(
+        default=0, ge=0, description="This node's index, 0 to nnodes-1: 0 serves, the others are headless."
+    )
+    master_addr: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The address of node 0 that the other nodes reach (vLLM's default: 127.0.0.1).",
+    )
+    master_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="The port on node 0 the nodes' ranks meet at (vLLM's default: 29501).",
+    )
     enable_lora: bool = Field(default=False, description="Allow LoRA adapters.")
     max_loras: int = Field(default=1, ge=1, description="LoRA adapters in one batch.")
     max_lora_rank: int = Field(default=16, ge=1, description="Largest LoRA rank.")
@@ -85,3 +105,13 @@ class VLLMOptions(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Any other AsyncEngineArgs field, passed through as given."
     )
+
+    @model_validator(mode="after")
+    def _node_rank_below_nnodes(self) -> VLLMOptions:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"node_rank={self.node_rank} with nnodes={self.nnodes}: the nodes are numbered 0 to "
+                f"{self.nnodes - 1}; give each machine its own node_rank below nnodes (0 on the one that "
+                "serves)"
+            )
+        return self
