@@ -142,6 +142,12 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "several minutes; tests/test_bench_crosscheck.py runs a small one",
     ("docs/benchmarks.md", "python benchmarks/structured_output.py"): "three engines, vLLM twice, for "
     "several minutes; tests/test_bench_structured.py runs the script with one round on llama.cpp",
+    ("docs/scaling-out.md", 'pip install "smg==1.13.0"'): "an installation command; scripts/smg.sh "
+    "builds the same environment",
+    ("docs/scaling-out.md", "smg launch --host"): "two servers and a router, which run until stopped; "
+    "tests/test_smg.py starts these commands (on free ports) and sends requests through the router",
+    ("docs/scaling-out.md", 'base_url="http://127.0.0.1:8000/v1"'): "talks to the router of the block "
+    "before; tests/test_smg.py makes the same calls through it",
 }
 
 
