@@ -79,6 +79,14 @@ def serve(
         int | None, typer.Option(help="Open connections at once; beyond: 503.")
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    headless: Annotated[
+        bool,
+        typer.Option(
+            "--headless",
+            help="vLLM multi-node: run this node's workers (--option nnodes=N --option node_rank=R "
+            "--option master_addr=ADDR) with no HTTP server, until Ctrl-C or SIGTERM.",
+        ),
+    ] = False,
 ) -> None:
     """Serve models over the OpenAI (and Anthropic Messages) HTTP API: chat, completions,
     embeddings and rerank."""
@@ -87,6 +95,8 @@ def serve(
 
     if model is None and config is None:
         raise _bad("give MODEL, or --config with [models.<alias>] tables")
+    if headless and model is None:
+        raise _bad("--headless goes with MODEL, --backend vllm and the node options, not --config")
     opts = _parse_options(option)
     with _reported():
         specs = []
@@ -96,6 +106,10 @@ def serve(
             engine = read_config(None, model=model, backend=backend, context_length=context,
                                  options=opts or None, concurrency=concurrency, task=task,
                                  pooling=pooling)  # fmt: skip
+            if headless:
+                from unillm.engines.vllm._headless import run_headless
+
+                return run_headless(engine)
             name = default_alias(engine.model) if alias is None else alias  # --alias "" is refused
             specs.append(model_spec(name, engine.model_dump(exclude_unset=True)))
         elif alias is not None or backend or opts or context or concurrency or task or pooling:

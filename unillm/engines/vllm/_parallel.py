@@ -226,8 +226,9 @@ def plan_parallel(
     if nodes and per_node % tp:
         notes.append(
             f"tensor_parallel_size={tp} with {per_node} rank(s) per node: tensor-parallel groups span the "
-            f"nodes and all-reduce over the network every layer; usually tensor_parallel_size = ranks per "
-            f"node and pipeline_parallel_size = nnodes ({_TP_COST})"
+            "nodes and all-reduce over the network every layer, which usually costs more than it gains; "
+            "honoured as asked, but usually tensor_parallel_size = ranks per node and "
+            "pipeline_parallel_size = nnodes"
         )
     elif nodes:
         notes.append(
