@@ -7,8 +7,11 @@ own (``scripts/smg.sh``, built once by ``.ci/run`` before the tests), as docs/sc
 
 Which worker served a request is read from the workers themselves, never guessed: requests go one
 at a time, and each worker's ``unillm:requests_total`` counter for the chat route says which of
-them answered it (the router's own bookkeeping is only used to know that it has dispatched a
-request). Answers are greedy and must equal what the workers answer directly.
+them answered it. The router's own metrics are read only for what happens inside it: that it has
+dispatched a request to a frozen worker, and that it tried a dead one. Answers are greedy and must
+equal what the workers answer directly. Two fleets (two workers and a router each, about 2 s to
+start): one the prefix test shares, one the kill test breaks. No sleeps: every wait polls with a
+deadline, and every process is ended in a ``finally``, each in a process group of its own.
 """
 
 from __future__ import annotations
