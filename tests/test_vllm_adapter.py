@@ -211,7 +211,7 @@ def test_cpu_tensor_parallelism_runs_mp_with_each_rank_on_its_own_cores(
 @pytest.mark.parametrize(
     ("options", "phrase"),
     [
-        ({"pipeline_parallel_size": 2}, "KeyError"),
+        ({"pipeline_parallel_size": 2, "enforce_eager": True}, "KeyError"),  # compiled, it runs
         ({"tensor_parallel_size": 2, "distributed_executor": "ray"}, "does not support ray"),
     ],
 )

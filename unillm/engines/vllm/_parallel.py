@@ -284,7 +284,7 @@ def _check_cpu(pp: int, distributed_executor: Executor | None, enforce_eager: bo
             f"pipeline_parallel_size={pp} with enforce_eager=True does not run on vLLM's CPU build: "
             "uncompiled, its later stages get no buffer for the activations handed over and the "
             "scheduler fails with a KeyError between stages; leave enforce_eager unset (vLLM then "
-            "compiles the model, a longer start), or use tensor_parallel_size instead, which runs eager"
+            "compiles the model, a longer start), or use tensor_parallel_size=N instead, which runs eager"
         )
     if distributed_executor == "ray":
         raise ConfigError(
