@@ -87,6 +87,19 @@ def serve(
             "--option master_addr=ADDR) with no HTTP server, until Ctrl-C or SIGTERM.",
         ),
     ] = False,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Serve on a Ray cluster through Ray Serve (pip install 'unillm[ray]'): its address, "
+            "'auto' (the one `ray start` made here) or 'local' (a new one in this process).",
+        ),
+    ] = None,
+    replicas: Annotated[
+        str | None,
+        typer.Option(help="With --ray: model replicas, each one engine; 'auto' scales them (default 1)."),
+    ] = None,
 ) -> None:
     """Serve models over the OpenAI (and Anthropic Messages) HTTP API: chat, completions,
     embeddings and rerank."""
@@ -115,6 +128,8 @@ def serve(
         elif alias is not None or backend or opts or context or concurrency or task or pooling:
             raise _bad("--alias, --backend, --option, --context, --concurrency, --task and --pooling go "
                        "with MODEL; with --config, set them in the [models.<alias>] tables")  # fmt: skip
+        if replicas is not None and ray is None:
+            raise _bad("--replicas goes with --ray ADDRESS (several replicas need Ray Serve)")
         cfg = read_server_config(
             config, models=specs, host=host, port=port, api_key=api_key, max_queue=max_queue,
             max_running=max_running, max_tokens=max_tokens, max_body_bytes=max_body_bytes, lazy=lazy,
@@ -127,6 +142,12 @@ def serve(
     if cfg.host not in _LOOPBACK and not cfg.resolved_api_key():
         err.print(f"[yellow]warning:[/] listening on {_esc(cfg.host)} without an API key: anyone who "
                   "can reach it can use it (set --api-key or UNILLM_API_KEY)", highlight=False)  # fmt: skip
+    if ray is not None:
+        from unillm.server.ray import RayAppArgs
+        from unillm.server.ray._run import serve_on_ray
+
+        with _reported():
+            return serve_on_ray(cfg, RayAppArgs(num_replicas=replicas or 1), address=ray)
     # the port first: a busy one fails now, not after minutes of loading (bound, not yet
     # listening: a client that comes during the load is refused at once, not left waiting)
     sock, family = _bind(cfg)

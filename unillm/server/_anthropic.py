@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from unillm._types import Chunk
     from unillm.server._pool import Slot
 
-__all__ = ["router"]
+__all__ = ["error_event", "router"]
 
 
 router = APIRouter()
@@ -191,6 +191,14 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {dumps({'type': kind, **data})}\n\n"
 
 
+def error_event(exc: BaseException) -> str:
+    """The event a Messages stream ends with when its generation fails: Anthropic's error."""
+    from unillm.server._errors import public_message
+
+    kind = anthropic_type(exc.status) if isinstance(exc, ApiError) else "api_error"
+    return _event("error", {"error": {"type": kind, "message": public_message(exc, None)}})
+
+
 async def _events(
     mid: str, alias: str, first: Chunk, chunks: AsyncGenerator[Chunk, None]
 ) -> AsyncIterator[str]:
@@ -224,9 +232,6 @@ async def _events(
         )
         yield _event("message_stop", {})
     except Exception as exc:
-        from unillm.server._errors import public_message
-
-        kind = anthropic_type(exc.status) if isinstance(exc, ApiError) else "api_error"
-        yield _event("error", {"error": {"type": kind, "message": public_message(exc, None)}})
+        yield error_event(exc)
     finally:
         await chunks.aclose()

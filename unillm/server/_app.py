@@ -227,21 +227,9 @@ class Edge:
         if self.state.stopping and scope.get("path") not in _OPEN:
             return shutting_down()
         headers = dict(scope.get("headers") or ())
-        if self.key is not None and scope.get("path") not in _OPEN:
-            given = headers.get(b"x-api-key")
-            auth = headers.get(b"authorization", b"")
-            if auth[:7].lower() == b"bearer ":
-                given = auth[7:].strip()
-            if given is None or not hmac.compare_digest(given, self.key):
-                how = (
-                    "'x-api-key: <key>'"  # what Anthropic's clients send
-                    if str(scope.get("path", "")).startswith("/v1/messages")
-                    else "'Authorization: Bearer <key>'"
-                )
-                return ApiError(
-                    401, f"a valid API key is required: send it as {how}", type_="authentication_error",
-                    code="invalid_api_key",
-                )  # fmt: skip
+        refused = key_refusal(self.key, str(scope.get("path", "")), headers)
+        if refused is not None:
+            return refused
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return _too_large(self.limit)
@@ -275,6 +263,28 @@ class Edge:
     async def _answer(self, scope: dict[str, Any], err: ApiError, send: Any) -> None:
         request = Request(scope)
         await error_response(request, err)(scope, _no_body, send)
+
+
+def key_refusal(key: bytes | None, path: str, headers: dict[bytes, bytes]) -> ApiError | None:
+    """The 401 for a request to ``path`` without ``key`` (as a bearer token or ``x-api-key``), or
+    ``None`` when it may pass: no key is set, it sent the key, or the path is a probe."""
+    if key is None or path in _OPEN:
+        return None
+    given = headers.get(b"x-api-key")
+    auth = headers.get(b"authorization", b"")
+    if auth[:7].lower() == b"bearer ":
+        given = auth[7:].strip()
+    if given is not None and hmac.compare_digest(given, key):
+        return None
+    how = (
+        "'x-api-key: <key>'"  # what Anthropic's clients send
+        if path.startswith("/v1/messages")
+        else "'Authorization: Bearer <key>'"
+    )
+    return ApiError(
+        401, f"a valid API key is required: send it as {how}", type_="authentication_error",
+        code="invalid_api_key",
+    )  # fmt: skip
 
 
 class _TooLarge(HTTPException):

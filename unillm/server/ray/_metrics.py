@@ -1,0 +1,109 @@
+"""The replicas' metrics: gathered at the ingress's ``/metrics`` with a ``replica`` label on every
+series, and exported through Ray's metrics agent to the cluster's Prometheus.
+
+The ingress asks every live replica for its report (``Replica.record_routing_stats``: the KV
+cache's fill, prefix hits and the same exposition ``unillm serve``'s ``/metrics`` gives) at each
+scrape, and every ``stats_period_s`` for the router. For Ray's export, each
+replica sets one ``ray.serve.metrics.Gauge`` per series it has (Serve adds the deployment, replica
+and application tags): counters and histogram buckets arrive as gauges holding their running totals,
+which Prometheus's ``rate()`` reads as it reads counters."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["REPORTS", "RayExport", "gathered", "pull", "relabeled"]
+
+_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def relabeled(texts: dict[str, str]) -> str:
+    """One exposition from several replicas' (name -> text): every sample labelled ``replica``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = s.labels if "replica" in s.labels else {**s.labels, "replica": replica}
+                families.setdefault(family.name, _empty(family))
+                families[family.name].samples.append(s._replace(labels=labels))
+
+    class _Collected:
+        def collect(self) -> Iterator[Any]:
+            yield from families.values()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collected())  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def _empty(family: Any) -> Any:
+    from prometheus_client import Metric
+
+    return Metric(family.name, family.documentation, family.type, family.unit)
+
+
+REPORTS: dict[str, dict[str, Any]] = {}
+"""The latest report of each model replica of this process's application (replica id -> report),
+refreshed by :func:`pull`; the router reads each replica's ``kv_usage`` here."""
+
+
+async def pull(app: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    """Ask every live model replica of application ``app`` for its report (its
+    ``record_routing_stats``: KV use, prefix hits, metrics) now; the answers replace ``REPORTS``.
+    A replica that does not answer within ``timeout_s`` (dying, busy loading) is left out."""
+    import asyncio
+
+    import ray
+
+    mine = f"SERVE_REPLICA::{app}#UnillmModel#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(mine)]
+
+    async def one(name: str) -> tuple[str, dict[str, Any] | None]:
+        try:
+            actor = ray.get_actor(name, namespace="serve")
+            return name.removeprefix(mine), await asyncio.wait_for(
+                actor.record_routing_stats.remote(), timeout_s
+            )
+        except Exception:  # gone between the listing and the call, or too slow
+            return name.removeprefix(mine), None
+
+    found = {k: v for k, v in await asyncio.gather(*(one(n) for n in names)) if isinstance(v, dict)}
+    REPORTS.clear()
+    REPORTS.update(found)
+    return found
+
+
+def gathered(reports: dict[str, dict[str, Any]]) -> str:
+    """The exposition of every replica's report, each sample labelled with its replica."""
+    texts = {name: r["metrics"] for name, r in reports.items() if isinstance(r.get("metrics"), str)}
+    return relabeled(texts)
+
+
+class RayExport:
+    """Sets Ray gauges from a replica's registry (``push``), one per sample name."""
+
+    def __init__(self) -> None:
+        self._gauges: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def push(self, text: str) -> int:
+        """Export every sample of ``text``; returns how many were set."""
+        from prometheus_client.parser import text_string_to_metric_families
+        from ray.serve.metrics import Gauge
+
+        n = 0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                name = "unillm_" + _NAME.sub("_", s.name.removeprefix("unillm:"))
+                keys = tuple(sorted(s.labels))
+                gauge = self._gauges.get((name, keys))
+                if gauge is None:
+                    description = family.documentation or family.name
+                    gauge = self._gauges[(name, keys)] = Gauge(name, description=description, tag_keys=keys)  # type: ignore[arg-type]
+                gauge.set(float(s.value), tags=dict(s.labels))
+                n += 1
+        return n
