@@ -187,7 +187,7 @@ def test_two_loopback_nodes_give_the_tokens_of_one_process(
     log = tmp_path / "node1.log"
     with headless_node(tiny, options, cores[-1], log) as node1:
         with bounded_start(node1, log), on_core(cores[0]):
-            engine = load_engine(
+            engine: Any = load_engine(
                 {
                     "model": str(tiny.hf_dir),
                     "backend": "vllm",
