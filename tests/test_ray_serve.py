@@ -3,9 +3,10 @@ replicas spread over the nodes, answers equal to the in-process engine's, prefix
 replicas' metrics at the ingress, autoscaling, a replica killed and a node leaving mid-load, and
 ``unillm serve --ray``.
 
-One cluster for the module (up in ~6-10 s here) and two applications on it: "unillm" (two replicas
-of one CPU each, so one per one-CPU node) and "auto" (autoscaled, replicas of no CPU). The tests that
-break things (a replica killed, a node gone) run last, in file order.
+One cluster for the module (up in ~6-10 s here) and two applications on it: "unillm", run by
+``unillm serve --ray`` in a subprocess as a user would (two replicas of one CPU each, so one per
+one-CPU node), and "auto" (autoscaled, replicas of no CPU). The tests that break things (a replica
+killed, a node gone, the CLI stopped) run last, in file order.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Cluster:
     cluster: Any
     worker: Any
     port: int
+    cli: subprocess.Popen[str] | None = None
+    said: list[str] | None = None
 
     def client(self, prefix: str = "") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -79,9 +82,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         worker = c.add_node(num_cpus=1)
         ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield Cluster(c, worker, port)
+        yield Cluster(c, worker, _free_port())
     finally:
         try:
             serve.shutdown()
@@ -92,20 +93,37 @@ def cluster() -> Iterator[Cluster]:
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
+@pytest.fixture(scope="module")
+def app(cluster: Cluster, tiny_gguf: Path) -> Iterator[Cluster]:
+    """``unillm serve --ray`` on the cluster, as a user runs it: two replicas of one CPU each on
+    two one-CPU nodes, the prefix router, no API key. Stopped by the last test (or here)."""
+    env = {**os.environ, **RAY_ENV, "PYTHONUNBUFFERED": "1"}
+    env.pop("UNILLM_API_KEY", None)
+    cmd = [sys.executable, "-m", "unillm", "serve", str(tiny_gguf), "--alias", ALIAS, "--backend",
+           "llama.cpp", "--context", "1024", "--option", "parallel=4", "--option", "n_threads=1",
+           "--ray", cluster.cluster.address, "--replicas", "2", "--port", str(cluster.port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    said: list[str] = []
+    threading.Thread(target=lambda: said.extend(proc.stderr or ()), daemon=True).start()
+    cluster.cli, cluster.said = proc, said
+    try:
+        wait_until(lambda: any("listening on" in line for line in said) or proc.poll() is not None, 240,
+                   "unillm serve --ray to listen")  # fmt: skip
+        assert proc.poll() is None, "".join(said)
+        yield cluster
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
 def _deploy(name: str, args: dict[str, Any], timeout_s: float = 120.0) -> None:
     from unillm.server.ray import build_app
     from unillm.server.ray._run import wait_running
 
-    prefix = "/" if name == "unillm" else f"/{name}"
-    serve._run(build_app(args), name=name, route_prefix=prefix, _blocking=False)
+    serve._run(build_app(args), name=name, route_prefix=f"/{name}", _blocking=False)
     wait_running(name, timeout_s)
-
-
-@pytest.fixture(scope="module")
-def app(cluster: Cluster, tiny_gguf: Path) -> Cluster:
-    """Two replicas of one CPU each on two one-CPU nodes, the prefix router, an API key off."""
-    _deploy("unillm", {**ENGINE, "model": str(tiny_gguf), "num_replicas": 2, "stats_period_s": 0.5})
-    return cluster
 
 
 def _running(name: str) -> int:
@@ -183,6 +201,19 @@ def test_the_ingress_metrics_name_each_replica(app: Cluster) -> None:
                 if name == "unillm:requests_total" and v > 0}  # fmt: skip
 
     assert wait_until(lambda: answered <= series() and series(), 30, "the replicas' series") >= answered
+
+    # and through Ray's metrics export (each node's agent, what the cluster's Prometheus scrapes)
+    ports = [app.cluster.head_node.metrics_export_port, app.worker.metrics_export_port]
+
+    def exported() -> set[str]:
+        found = set()
+        for port in ports:
+            samples = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+            found |= {dict(labels).get("replica", "") for (name, labels), v in samples.items()
+                      if name == "ray_unillm_generation_tokens_total" and v > 0}  # fmt: skip
+        return found if answered <= found else set()
+
+    wait_until(exported, 60, "the replicas' generation_tokens through Ray's metrics export", every_s=0.5)
 
 
 def test_bad_requests_get_the_servers_own_errors(app: Cluster) -> None:
@@ -314,33 +345,12 @@ def test_a_node_leaving_mid_load_loses_no_whole_answer(app: Cluster, llama: Any)
     _judge(whole, streamed, llama, proxy_gone=True)
 
 
-def test_unillm_serve_ray_runs_the_app_until_interrupted(tiny_gguf: Path, llama: Any) -> None:
-    """The CLI on a Ray of its own (``--ray local``): it says where it listens, answers, and on
-    SIGINT deletes the application and exits 0."""
-    port = _free_port()
-    env = {**os.environ, **RAY_ENV, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "unillm", "serve", str(tiny_gguf), "--alias", ALIAS, "--backend",
-           "llama.cpp", "--ray", "local", "--replicas", "1", "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True).start()
-    try:
-        wait_until(lambda: any("listening on" in line for line in lines) or proc.poll() is not None, 180,
-                   "unillm serve --ray to listen")  # fmt: skip
-        assert proc.poll() is None, "".join(lines)
-        assert f"listening on http://127.0.0.1:{port}/v1 through Ray Serve" in "".join(lines)
-        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        completion, headers = _ask(oai, _messages(5))
-        assert (
-            completion.choices[0].message.content
-            == llama.chat(_messages(5), temperature=0, max_tokens=8).text
-        )
-        assert headers["x-unillm-replica"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(120) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+def test_unillm_serve_ray_says_where_it_listens_and_stops_on_sigint(app: Cluster) -> None:
+    """Last (it takes the application down): the CLI printed the proxy's address, and on SIGINT
+    it deletes the application and exits 0, leaving the cluster up."""
+    assert app.cli is not None and app.said is not None
+    assert f"listening on http://127.0.0.1:{app.port}/v1 through Ray Serve" in "".join(app.said)
+    app.cli.send_signal(signal.SIGINT)
+    assert app.cli.wait(120) == 0, "".join(app.said)
+    assert "unillm" not in serve.status().applications
+    assert ray.cluster_resources().get("CPU")  # the cluster is still there

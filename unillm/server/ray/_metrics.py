@@ -98,6 +98,8 @@ class RayExport:
         n = 0
         for family in text_string_to_metric_families(text):
             for s in family.samples:
+                if s.name.endswith("_created"):  # when a series began: nothing to chart
+                    continue
                 name = "unillm_" + _NAME.sub("_", s.name.removeprefix("unillm:"))
                 keys = tuple(sorted(s.labels))
                 gauge = self._gauges.get((name, keys))
