@@ -106,9 +106,7 @@ def split_args(args: Mapping[str, Any]) -> tuple[RayAppArgs, ServerConfig]:
         raise ConfigError(
             f"{', '.join(sorted(args))}: engine settings need `model` (or a `config` file's tables)"
         )
-    cfg = read_server_config(path, models=specs, **server)
-    if not cfg.models:
-        raise ConfigError("build_app needs `model` (a .gguf, a model directory or a name) or `config`")
+    cfg = read_server_config(path, models=specs, **server)  # none at all: its own ConfigError
     return RayAppArgs(**ray_keys), cfg
 
 

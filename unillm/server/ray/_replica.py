@@ -74,7 +74,9 @@ async def asgi_stream(
                 if not message.get("more_body", False):
                     return
     finally:
-        gone.set()
+        gone.set()  # the app hears the client gone, and has a moment to end its own way
+        if not task.done():
+            await asyncio.wait({task}, timeout=1.0)
         if not task.done():
             task.cancel()
         with contextlib.suppress(BaseException):
