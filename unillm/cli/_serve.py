@@ -147,7 +147,7 @@ def serve(
         from unillm.server.ray._run import serve_on_ray
 
         with _reported():
-            return serve_on_ray(cfg, RayAppArgs(num_replicas=replicas or 1), address=ray)
+            return serve_on_ray(cfg, RayAppArgs(num_replicas=replicas or 1), address=ray)  # type: ignore[arg-type]  # "2" too: validated
     # the port first: a busy one fails now, not after minutes of loading (bound, not yet
     # listening: a client that comes during the load is refused at once, not left waiting)
     sock, family = _bind(cfg)

@@ -87,7 +87,7 @@ def serve_on_ray(
         wait_running(name, timeout_s, progress=lambda said: print(f"unillm serve: {said}", file=sys.stderr))
         from ray.serve.context import _get_global_client
 
-        http = _get_global_client().http_config  # Serve's own, if it was running before
+        http = _get_global_client().http_config  # type: ignore[union-attr]  # Serve's own, if it ran before
         if (http.host, http.port) != (cfg.host, cfg.port):
             print(f"unillm serve: Ray Serve was already running on this cluster; its proxies listen on "
                   f"{http.host}:{http.port}, not on the address asked", file=sys.stderr)  # fmt: skip
