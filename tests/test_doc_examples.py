@@ -154,6 +154,12 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "tests/test_smg.py starts these commands (on free ports) and sends requests through the router",
     ("docs/scaling-out.md", 'base_url="http://127.0.0.1:8000/v1"'): "talks to the router of the block "
     "before; tests/test_smg.py makes the same calls through it",
+    ("docs/scaling-out.md", "pip install 'unillm[ray]'"): "an installation command; the test environment "
+    "installs the extra (pyproject's dev extra)",
+    ("docs/scaling-out.md", "--ray local --replicas 2"): "serves until stopped; tests/test_ray_serve.py "
+    "runs unillm serve --ray against a two-node cluster, sends requests and stops it with SIGINT",
+    ("docs/scaling-out.md", "serve run unillm.server.ray:build_app"): "Ray's own command, serving until "
+    "stopped; tests/test_ray_parts.py checks build_app's string arguments as serve run passes them",
 }
 
 
