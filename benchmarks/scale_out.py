@@ -196,6 +196,54 @@ def smg_two(ctx: Context) -> contextlib.AbstractContextManager[Fleet]:
     return fleet([*workers, router], router.url, [w.url for w in workers])
 
 
+_RAY: dict[str, int] = {}  # the Ray this process started: its Serve proxy's port
+
+
+def _ray_port(cores: int) -> int:
+    """Start Ray in this process (once; its processes are children of this one, in its process
+    group, so their CPU counts as the configuration's) and Serve's proxy on a free port."""
+    if not _RAY:
+        for k, v in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+            os.environ.setdefault(k, v)
+        import ray
+        from ray import serve
+
+        ray.init(num_cpus=cores, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        _RAY["port"] = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": _RAY["port"]})
+    return _RAY["port"]
+
+
+@contextlib.contextmanager
+def ray_app(ctx: Context, name: str, replicas: int, router: str) -> Iterator[Fleet]:
+    """unillm.server.ray's application on a one-machine Ray: ``replicas`` llama.cpp replicas with
+    ``cores // replicas`` threads each (as SMG's workers), ``router`` routing; route ``/<name>``."""
+    from ray import serve
+
+    from unillm.server.ray import build_app
+    from unillm.server.ray._run import wait_running
+
+    port = _ray_port(ctx.cores)
+    threads = max(1, ctx.cores // replicas)
+    args = {
+        "model": str(ctx.model), "alias": ALIAS, "backend": "llama.cpp", "context_length": CONTEXT,
+        "options": {"n_threads": threads, "n_threads_batch": threads}, "num_replicas": replicas,
+        "router": router, "replica_cpus": 0,  # every configuration shares the same cores
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    serve._run(build_app(args), name=name, route_prefix=f"/{name}", _blocking=False)
+    try:
+        wait_running(name, 300)
+        proc = Proc(
+            f"ray {name}", [], ctx.tmp / f"{name}.log", f"http://127.0.0.1:{port}/{name}", lambda: True
+        )
+        proc.startup_s = time.perf_counter() - t0
+        command = f"serve.run(build_app({json.dumps(args)}), route_prefix='/{name}')"
+        yield Fleet(proc.url, [proc.url], [proc], [command])
+    finally:
+        serve.delete(name)
+
+
 @dataclass(frozen=True)
 class Context:
     """What every configuration is started from."""
@@ -213,6 +261,18 @@ CONFIGS: dict[str, tuple[str, Callable[[Context], contextlib.AbstractContextMana
         one_unillm_half,
     ),
     "smg-2": ("two unillm serve (llama.cpp, cores/2 threads each) behind SMG cache_aware", smg_two),
+    "ray-1": (
+        "unillm on Ray Serve, one replica (llama.cpp, all cores)",
+        lambda ctx: ray_app(ctx, "ray-1", 1, "prefix"),
+    ),
+    "ray-2": (
+        "unillm on Ray Serve, two replicas (llama.cpp, cores/2 threads each), unillm's prefix-aware router",
+        lambda ctx: ray_app(ctx, "ray-2", 2, "prefix"),
+    ),
+    "ray-2-default": (
+        "unillm on Ray Serve, two replicas (llama.cpp, cores/2 threads each), Serve's default router",
+        lambda ctx: ray_app(ctx, "ray-2-default", 2, "default"),
+    ),
 }
 
 
@@ -249,21 +309,22 @@ def body_for(round_: int, concurrency: int, prefixes: int, tokens: int) -> Calla
 
 
 def worker_counts(workers: list[str]) -> dict[str, dict[str, float]]:
-    """Per worker: chat requests answered and prefix-cache tokens (hits, queries), by its /metrics."""
+    """Per worker: chat requests answered and prefix-cache tokens (hits, queries), by its /metrics
+    (a Ray application's ingress gives every replica's, labelled: one worker per replica)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, dict[str, float]] = {}
     for w in workers:
-        got = {"requests": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0}
         for family in text_string_to_metric_families(httpx.get(w + "/metrics", timeout=10).text):
             for s in family.samples:
+                key = f"{w}#{s.labels['replica']}" if "replica" in s.labels else w
+                got = out.setdefault(key, {"requests": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0})
                 if s.name == "unillm:requests_total" and s.labels.get("route") == "/v1/chat/completions":
                     got["requests"] += s.value
                 elif s.name == "unillm:prefix_cache_hits_total":
                     got["prefix_hits"] += s.value
                 elif s.name == "unillm:prefix_cache_queries_total":
                     got["prefix_queries"] += s.value
-        out[w] = got
     return out
 
 
@@ -284,7 +345,7 @@ def cpu_ticks(groups: set[int]) -> tuple[int, int]:
 def measure(f: Fleet, round_: int, concurrency: int, n: int, tokens: int, prefixes: int) -> dict[str, Any]:
     """One closed-loop run of ``n`` requests at ``concurrency`` against ``f``."""
     load_avg = os.getloadavg()[0]
-    groups = {p.proc.pid for p in f.procs if p.proc is not None}
+    groups = {p.proc.pid for p in f.procs if p.proc is not None} | ({os.getpgid(0)} if _RAY else set())
     before = worker_counts(f.workers)
     ticks = cpu_ticks(groups)
     body = body_for(round_, concurrency, prefixes, tokens)
@@ -295,7 +356,8 @@ def measure(f: Fleet, round_: int, concurrency: int, n: int, tokens: int, prefix
     out["load_avg_1m_before"] = load_avg
     # cores the rest of the machine kept busy meanwhile (a shared machine: others' work shows here)
     out["other_cpu_cores"] = max(0.0, (busy - own) / os.sysconf("SC_CLK_TCK") / wall)
-    out["workers"] = {w: {k: after[w][k] - before[w][k] for k in after[w]} for w in f.workers}  # this run
+    zero = {"requests": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0}
+    out["workers"] = {w: {k: v - before.get(w, zero)[k] for k, v in got.items()} for w, got in after.items()}
     return out
 
 

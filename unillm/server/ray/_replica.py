@@ -69,9 +69,16 @@ async def asgi_stream(
             if message["type"] == "http.response.start":
                 yield message["status"], list(message.get("headers", []))
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                # what the app wrote while the last piece was on its way goes as one: each piece
+                # is a message through Ray to the ingress, and another to the proxy
+                piece, more = bytearray(message.get("body", b"")), message.get("more_body", False)
+                while more and not out.empty():  # after the start, only body messages come
+                    nxt = out.get_nowait()
+                    piece += nxt.get("body", b"")
+                    more = nxt.get("more_body", False)
+                if piece:
+                    yield bytes(piece)
+                if not more:
                     return
     finally:
         gone.set()  # the app hears the client gone, and has a moment to end its own way

@@ -108,15 +108,23 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             fewest = sorted(
                 candidate_replicas, key=lambda r: (self._prefixes.get(r.replica_id, 0), load[r.replica_id])
             )
+            # claimed now, not once routed: the requests routed meanwhile see it taken
+            self._claim(hashes, fewest[0].replica_id)
             return [[fewest[0]], [r for r in by_load if r is not fewest[0]]]
         # the least loaded first; Serve asks each in turn whether it takes the request
         return [[r] for r in by_load]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        hashes = _hashes_of(pending_request)
+        self._claim(_hashes_of(pending_request), replica_id)
+
+    def _claim(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
+        """Record that ``replica_id`` holds (or is about to) the prefixes ``hashes`` name."""
         if not hashes:
             return
-        if hashes[0] not in self._owner or self._owner[hashes[0]] != replica_id:
+        first = self._owner.get(hashes[0])
+        if first != replica_id:
+            if first is not None:
+                self._prefixes[first] = max(0, self._prefixes.get(first, 0) - 1)
             self._prefixes[replica_id] = self._prefixes.get(replica_id, 0) + 1
         for h in hashes:
             self._owner[h] = replica_id
