@@ -101,7 +101,8 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/backends/vllm-scale-out.md", "ray start --head"): "starts a Ray cluster's head machine",
     ("docs/backends/vllm-scale-out.md", "ray start --address"): "joins a worker machine to the Ray cluster",
     ("docs/backends/vllm-scale-out.md", "ray status"): "needs the Ray cluster of the steps before",
-    ("docs/backends/vllm-scale-out.md", "distributed_executor\": \"ray\""): "16 GPUs on two machines joined by Ray",
+    ("docs/backends/vllm-scale-out.md", 'distributed_executor": "ray"'): "16 GPUs on two machines "
+    "joined by Ray",
     ("docs/backends/vllm-scale-out.md", "--headless"): "a worker machine's ranks, waiting for node 0 "
     "until stopped; tests/test_vllm_multinode.py runs this command as node 1 on loopback",
     ("docs/backends/vllm-scale-out.md", "--backend vllm --host 0.0.0.0"): "node 0 of two machines, "
