@@ -141,8 +141,8 @@ def test_a_prefixs_replica_too_far_behind_loses_the_request_to_the_least_loaded(
     other = "b" if home == "a" else "a"
     queues.lengths = {_Id(home): 4, _Id(other): 0}
     assert _route(router, replicas, text) == other and router.overflows == 1
-    queues.lengths = {_Id(home): 3, _Id(other): 0}  # within the imbalance: the cache wins
-    assert _route(router, replicas, text) == other  # ... of the replica that served it last
+    queues.lengths = {_Id(home): 3, _Id(other): 0}  # within the imbalance: its replica's cache wins
+    assert _route(router, replicas, text) == home  # the overflow did not move the prefix
 
 
 def test_a_request_with_no_prefix_goes_to_the_least_loaded() -> None:

@@ -4,9 +4,10 @@ served that one, whose KV cache still holds the prefix; otherwise to the least l
 The ingress cuts the prompt (the model's alias, then the system prompt and the messages as sent, or
 the completion prompt) into blocks of ``BLOCK_CHARS`` characters and hashes each block together with
 all before it (:func:`prefix_hashes`), so that hash ``i`` names the first ``i + 1`` blocks. The router
-remembers the replica each hash last went to and sends a request to the replica of its longest known
-hash. Characters stand in for tokens: the chat template renders the system prompt and the messages in
-the order they are sent, so equal leading text is an equal leading prompt.
+remembers the replica each hash first went to and sends a request to the replica of its longest
+known hash (a request that overflows elsewhere, below, leaves the prefix where it was). Characters
+stand in for tokens: the chat template renders the system prompt and the messages in the order they
+are sent, so equal leading text is an equal leading prompt.
 
 Load comes first when it must: a replica whose queue is ``imbalance`` requests longer than the
 shortest, or whose KV cache is full (``kv_usage`` in the replica's latest report, made from its
@@ -118,16 +119,16 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         self._claim(_hashes_of(pending_request), replica_id)
 
     def _claim(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
-        """Record that ``replica_id`` holds (or is about to) the prefixes ``hashes`` name."""
+        """Record that ``replica_id`` holds (or is about to) the prefixes ``hashes`` name that no
+        replica holds yet. A prefix keeps its replica when a request of it overflows to another:
+        otherwise the prefixes would drift, one overflow at a time, to whichever replica took the
+        last one, and pile up there once the load drops."""
         if not hashes:
             return
-        first = self._owner.get(hashes[0])
-        if first != replica_id:
-            if first is not None:
-                self._prefixes[first] = max(0, self._prefixes.get(first, 0) - 1)
+        if hashes[0] not in self._owner:
             self._prefixes[replica_id] = self._prefixes.get(replica_id, 0) + 1
         for h in hashes:
-            self._owner[h] = replica_id
+            self._owner.setdefault(h, replica_id)
             self._owner.move_to_end(h)
         while len(self._owner) > self._capacity:
             self._owner.popitem(last=False)
