@@ -118,7 +118,8 @@ def test_vllm_holds_its_whole_kv_pool_and_a_second_interpreter_at_load() -> None
     compute = round(512 * 512 * 8 * 0.37 + 512 * 4 * (23 * 512 + 512))
     assert p.kv_bytes_per_token == 4096
     assert p.kv_bytes == pool
-    assert p.resident_bytes == 50_350_080 + pool + 1406 * MiB
+    ray = 274 * MiB if importlib.util.find_spec("ray") else 0  # vLLM imports Ray where it is installed
+    assert p.resident_bytes == 50_350_080 + pool + 1406 * MiB + ray
     assert p.total_bytes == p.resident_bytes + compute
 
 

@@ -114,8 +114,12 @@ _MiB = 1 << 20
 # cache explain. A step takes 2048 tokens (the CPU's default max_num_batched_tokens); its
 # attention keeps no chunk x context scores (0.37 bytes per score, fitted) but torch holds the
 # whole step's activations (~23 x hidden floats per token, fitted on the bench model alone).
+# Where Ray is installed (unillm[ray]), vLLM imports it in both of its processes whether or not it
+# uses it: 274 MiB more at load (the bench model at 512 tokens, in a fresh process: 2,081 MB with
+# ray 2.60 importable, 1,795 MB without; benchmarks/plan_vs_actual.py).
+VLLM_RAY_BYTES = 274 * _MiB if importlib.util.find_spec("ray") is not None else 0
 VLLM_MEMORY = EngineMemory(
-    runtime_bytes=1406 * _MiB,
+    runtime_bytes=1406 * _MiB + VLLM_RAY_BYTES,
     prefill_chunk=2048,
     score_bytes=0.37,
     mask_bytes=0.0,
