@@ -214,6 +214,14 @@ def _ray_port(cores: int) -> int:
     return _RAY["port"]
 
 
+def _ray_version() -> dict[str, str]:
+    if not _RAY:
+        return {}
+    import ray
+
+    return {"ray": ray.__version__}
+
+
 @contextlib.contextmanager
 def ray_app(ctx: Context, name: str, replicas: int, router: str) -> Iterator[Fleet]:
     """unillm.server.ray's application on a one-machine Ray: ``replicas`` llama.cpp replicas with
@@ -461,7 +469,7 @@ def main() -> None:
     ).stdout.strip()
     out = {
         "machine": machine("httpx", "llama-cpp-python"),
-        "versions": {"smg": smg_version.removeprefix("smg ").strip()},
+        "versions": {"smg": smg_version.removeprefix("smg ").strip(), **_ray_version()},
         "model": tiny_bench_model(model, gguf=True),
         "workload": {
             "api": "/v1/chat/completions, streaming, stream_options.include_usage, ignore_eos",

@@ -42,6 +42,9 @@ RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # load reported every half second (autoscaling_config's metrics_interval_s is deprecated for these)
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 }
 ALIAS = "tiny"
 ENGINE = {"model": None, "alias": ALIAS, "backend": "llama.cpp", "context_length": 1024,
@@ -285,7 +288,7 @@ def test_autoscales_from_one_replica_to_two_under_load_and_back(cluster: Cluster
     _deploy("auto", {**ENGINE, "model": str(tiny_gguf), "num_replicas": "auto", "min_replicas": 1,
                      "max_replicas": 2, "target_ongoing_requests": 1, "replica_cpus": 0,
                      "upscale_delay_s": 0, "downscale_delay_s": 1,
-                     "autoscaling": {"look_back_period_s": 1, "metrics_interval_s": 0.5}})  # fmt: skip
+                     "autoscaling": {"look_back_period_s": 1}})  # fmt: skip
     try:
         assert _running("auto") == 1
         oai = cluster.client("/auto")
