@@ -219,6 +219,26 @@ def test_the_ingress_metrics_name_each_replica(app: Cluster) -> None:
     wait_until(exported, 60, "the replicas' generation_tokens through Ray's metrics export", every_s=0.5)
 
 
+def _aborted(url: str) -> float:
+    samples = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+    counted = "unillm:request_success_total"
+    return sum(v for (name, labels), v in samples.items()
+               if name == counted and dict(labels).get("finished_reason") == "abort")  # fmt: skip
+
+
+def test_a_client_that_stops_reading_a_stream_ends_its_generation_on_the_replica(app: Cluster) -> None:
+    """Proxy, ingress, replica: the client gone reaches the engine, which ends the request as
+    aborted long before its 900 tokens."""
+    before = _aborted(app.url)
+    body = {"model": ALIAS, "messages": _messages(7), "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", app.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token in: hang up
+    wait_until(lambda: _aborted(app.url) > before, 30, "the replica to end the abandoned stream as aborted")
+
+
 def test_bad_requests_get_the_servers_own_errors(app: Cluster) -> None:
     oai = app.client()
     with pytest.raises(openai.NotFoundError):
