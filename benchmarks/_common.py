@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -143,3 +144,10 @@ def print_floor(
         med, lo, hi = ratios[name]
         rate = f"{sec * 1000:9.2f} ms  {tokens / sec:9.0f} tok/s"
         print(f"  {name:34s} {rate}  speed {med:.3f}x (IQR {lo:.3f}-{hi:.3f})")
+
+
+def free_port() -> int:
+    """A loopback port free now (for a server that is told its port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -31,7 +31,6 @@ import json
 import os
 import resource
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import ROOT, checkout_unillm
+from _common import ROOT, checkout_unillm, free_port
 
 RESULT = ROOT / "benchmarks" / "results" / "crosscheck-guidellm.json"
 SERVED = "tiny-bench"  # the model alias the server is started with and both tools send
@@ -76,12 +75,6 @@ def version_in(python: str, package: str) -> str | None:
 
 
 # ---- the server ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LlamaServer:

@@ -59,7 +59,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,7 +73,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import ROOT, checkout_unillm, machine, tiny_bench_model
+from _common import ROOT, checkout_unillm, free_port, machine, tiny_bench_model
 from _http_load import percentile, run_load, summarize
 
 ENGINES = ("llamacpp", "mlx", "vllm", "xllamacpp")
@@ -152,12 +151,6 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def servers_for(engine: str, model: Any, tmp: Path) -> tuple[Server, Server]:

@@ -11,12 +11,13 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -49,16 +50,7 @@ class Server:
 
     def stop(self) -> int:
         """SIGTERM to the whole group, SIGKILL if it has not gone in 15 s; the exit status."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # the group is gone already
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):  # the group is gone already
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(15)
-        return self.proc.returncode
+        return stop_group(self.proc)
 
 
 def start_server(
@@ -101,6 +93,27 @@ def start_server(
         server.stop()
         raise
     return server
+
+
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 15.0) -> int:
+    """Stop a process started with ``start_new_session=True`` and all of its group: SIGTERM, then
+    SIGKILL to whatever is left after ``grace_s`` (children that outlived it too); its exit status."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(30)
+
+
+def free_port() -> int:
+    """A port free now (for a program that takes no ``--port 0``; one that loses the race to another
+    process fails to bind, and its start fails with its log)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _ready(url: str) -> bool:

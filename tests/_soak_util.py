@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from ._server_util import stop_group
 
 _LISTENING = re.compile(r"unillm serve: listening on (http://\S+)/v1 \(models: ")
 
@@ -86,13 +87,7 @@ def serve(
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
     """SIGTERM to the server's process group (vLLM's engine core and workers are in it), then
     SIGKILL to whatever is left once ``grace_s`` has passed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):  # children outliving the server too
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    stop_group(proc, grace_s)
 
 
 def _wait_listening(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:

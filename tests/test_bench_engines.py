@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import json
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,12 +155,6 @@ def test_a_url_result_without_engine_version_is_not_written(
     assert result["levels"][0]["summary"]["completed"] == 1
     with pytest.raises(IncompleteResult, match=r"engine\.version"):
         write_result(result, tmp_path / "x.json")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @needs_llama_cpp

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import pytest
 
 from unillm.engines.exllamav2 import ASSUME_GPU_ENV
 from unillm.testing import TinyModel
+
+from ._server_util import stop_group
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -53,11 +54,7 @@ def server(tiny: TinyModel) -> Iterator[str]:
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # never let the pipe fill
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, 30)
 
 
 def _in_process_greedy(tiny: TinyModel, n: int) -> str:

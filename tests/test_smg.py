@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -31,7 +30,16 @@ import httpx
 import openai
 import pytest
 
-from ._server_util import Server, metric, metrics, parse_metrics, start_server, wait_until
+from ._server_util import (
+    Server,
+    free_port,
+    metric,
+    metrics,
+    parse_metrics,
+    start_server,
+    stop_group,
+    wait_until,
+)
 from .conftest import HAS_LLAMA_CPP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,14 +77,6 @@ def smg_exe() -> str:
     )
     assert proc.returncode == 0, f"scripts/smg.sh failed:\n{proc.stderr[-4000:]}"
     return proc.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    """A port free now. smg takes no ``--port 0``, so a port is picked here and passed (a race with
-    another process is caught: the router exits on a bind error, and the start fails with its log)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Router:
@@ -130,15 +130,7 @@ class Router:
         wait_until(ready, timeout_s, "smg to list both workers healthy")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(15)
+        stop_group(self.proc)
 
 
 @dataclass

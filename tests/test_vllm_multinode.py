@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from unillm import ConfigError, SamplingParams, load_engine
 from unillm.cli import app
 from unillm.testing import TinyModel
 
+from ._server_util import free_port
 from .conftest import VLLM_CONTEXT, VLLM_OPTIONS
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -47,12 +47,6 @@ runner = CliRunner()
 #: built by inductor. Measured here: node 0 started in 76 s with inductor against tp=2's 32 s eager;
 #: traced, the pp=2 test takes about as long as the tp=2 one (64 s and 62 s).
 TRACED = {"compilation_config": {"mode": 2, "backend": "eager"}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cli_options(options: dict[str, Any]) -> list[str]:

@@ -210,7 +210,7 @@ class Edge:
                 return
             await self.app(scope, self._bounded(scope, receive), sending)
         except _TooLarge:
-            await self._answer(scope, _too_large(self.limit), sending)
+            await self._answer(scope, too_large(self.limit), sending)
         except _TooSlow:
             await self._answer(scope, _too_slow(self.state.config.body_timeout_s), sending)
         finally:
@@ -232,7 +232,7 @@ class Edge:
             return refused
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return _too_large(self.limit)
+            return too_large(self.limit)
         return None
 
     def _bounded(self, scope: dict[str, Any], receive: Any) -> Any:
@@ -315,7 +315,8 @@ async def _no_body() -> dict[str, Any]:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def _too_large(limit: int) -> ApiError:
+def too_large(limit: int) -> ApiError:
+    """The 413 for a body over ``limit`` bytes (the server's and the Ray ingress's)."""
     return ApiError(413, f"the request body is larger than this server takes ({limit} bytes)",
                     code="request_too_large")  # fmt: skip
 
