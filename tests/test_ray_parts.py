@@ -106,8 +106,10 @@ class _Queues:
         return self.lengths.get(replica_id)
 
 
-def _router(imbalance: int = 8) -> tuple[PrefixRouter, list[_Replica], _Queues]:
-    router = PrefixRouter.__new__(PrefixRouter)  # Serve's constructor needs a running deployment
+def _router(
+    imbalance: int = 8, cls: type[PrefixRouter] = PrefixRouter
+) -> tuple[PrefixRouter, list[_Replica], _Queues]:
+    router = cls.__new__(cls)  # Serve's constructor needs a running deployment
     router.initialize_state(imbalance=imbalance)
     replicas = [_Replica(_Id("a")), _Replica(_Id("b"))]
     router._replicas = {r.replica_id: r for r in replicas}  # type: ignore[misc]
@@ -131,7 +133,7 @@ def test_a_known_prefix_goes_back_to_its_replica_and_new_ones_spread() -> None:
     assert sorted(first) == ["a", "a", "b", "b"]  # four new prefixes: two on each
     for i in range(1, 5):
         assert [_route(router, replicas, t + f"question {i}") for t in texts] == first
-    assert router.hits == 16 and router.misses == 4
+    assert router.decisions == {"prefix": 16, "new": 4}
 
 
 def test_a_prefixs_replica_too_far_behind_loses_the_request_to_the_least_loaded() -> None:
@@ -140,7 +142,7 @@ def test_a_prefixs_replica_too_far_behind_loses_the_request_to_the_least_loaded(
     home = _route(router, replicas, text)
     other = "b" if home == "a" else "a"
     queues.lengths = {_Id(home): 4, _Id(other): 0}
-    assert _route(router, replicas, text) == other and router.overflows == 1
+    assert _route(router, replicas, text) == other and router.decisions["overflow"] == 1
     queues.lengths = {_Id(home): 3, _Id(other): 0}  # within the imbalance: its replica's cache wins
     assert _route(router, replicas, text) == home  # the overflow did not move the prefix
 
@@ -149,6 +151,79 @@ def test_a_request_with_no_prefix_goes_to_the_least_loaded() -> None:
     router, replicas, queues = _router()
     queues.lengths = {_Id("a"): 5, _Id("b"): 1}
     assert _route(router, replicas, "short") == "b"
+    assert router.decisions == {"load": 1}
+
+
+def test_the_routers_decisions_are_counted_for_the_ingresss_metrics(
+    cls: type[PrefixRouter] = PrefixRouter,
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from unillm.server.ray._metrics import decisions
+
+    def counts() -> dict[str, float]:
+        (family,) = text_string_to_metric_families(decisions())
+        assert family.name == "unillm:ray_router_decisions" and family.type == "counter"
+        return {s.labels["decision"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+    before = counts()
+    router, replicas, _ = _router(cls=cls)
+    text = "d" * (2 * BLOCK_CHARS)
+    for i in range(3):
+        _route(router, replicas, text + str(i))
+    _route(router, replicas, "short")
+    after = counts()
+    assert {k: after[k] - before[k] for k in after} == {"prefix": 2, "overflow": 0, "new": 1, "load": 1}
+
+
+def test_a_replica_whose_kv_cache_is_full_loses_its_prefixs_request_by_the_ingresss_reports(
+    cls: type[PrefixRouter] = PrefixRouter,
+) -> None:
+    from unillm.server.ray._metrics import REPORTS
+
+    router, replicas, _ = _router(cls=cls)
+    text = "k" * (2 * BLOCK_CHARS)
+    home = _route(router, replicas, text)
+    other = "b" if home == "a" else "a"
+    REPORTS[home] = {"kv_usage": 0.97}  # as the ingress's pull leaves it
+    try:
+        assert _route(router, replicas, text) == other
+        REPORTS[home] = {"kv_usage": 0.5}
+        assert _route(router, replicas, text) == home
+    finally:
+        REPORTS.clear()
+    assert router.decisions == {"new": 1, "overflow": 1, "prefix": 1}
+
+
+_SHIPPED = """
+import sys
+from ray import cloudpickle
+from unillm.server.ray._router import PrefixRouter
+from tests import test_ray_parts as t
+
+cls = cloudpickle.loads(bytes.fromhex(sys.stdin.read()))
+assert cls is not PrefixRouter  # a copy, with copies of its module's globals
+t.test_the_routers_decisions_are_counted_for_the_ingresss_metrics(cls)
+t.test_a_replica_whose_kv_cache_is_full_loses_its_prefixs_request_by_the_ingresss_reports(cls)
+print("shared")
+"""
+
+
+def test_the_router_as_serve_ships_it_shares_reports_and_decisions_with_the_ingress() -> None:
+    # Serve pickles a deployment's router class by value and loads it in the replica's process:
+    # there its module's globals are copies, so what it shares with the ingress (the replicas'
+    # reports, the decision counts) must still be the ingress's
+    import subprocess
+    import sys
+
+    from ray.serve.config import RequestRouterConfig
+
+    shipped = RequestRouterConfig(request_router_class=PrefixRouter).get_serialized_request_router_cls()  # type: ignore[arg-type]
+    assert shipped
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _SHIPPED], input=shipped.hex(), capture_output=True,
+                          text=True, cwd=root, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "shared", done.stderr[-3000:]
 
 
 def test_a_replica_gone_takes_its_prefixes_with_it() -> None:
@@ -181,6 +256,49 @@ def test_the_bridge_gives_the_status_and_headers_then_the_body() -> None:
 
     # the two pieces were both queued by the time the first went: they go as one
     assert asyncio.run(run()) == [(201, [(b"x-echo", b"/v1/x")]), b"hello"]
+
+
+def _handshaking(took: asyncio.Event, wait_after: int) -> Any:
+    """An app that writes a, b, c, d, waiting after each of the first ``wait_after`` pieces until
+    the bridge's reader took it (``took``)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i, piece in enumerate((b"a", b"b", b"c", b"d")):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            if i < wait_after:
+                await took.wait()
+                took.clear()
+            else:
+                await asyncio.sleep(0)  # the reader runs between pieces
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+def _read(app: Any, took: asyncio.Event, interval_s: float) -> list[Any]:
+    async def run() -> list[Any]:
+        out = []
+        async for item in asgi_stream(app, "GET", "/", b"", [], b"", interval_s=interval_s):
+            out.append(item)
+            if isinstance(item, bytes):
+                took.set()
+        return out
+
+    return asyncio.run(run())
+
+
+def test_with_no_interval_each_piece_goes_as_written() -> None:
+    took = asyncio.Event()
+    assert _read(_handshaking(took, 4), took, 0.0) == [(200, []), b"a", b"b", b"c", b"d"]
+
+
+def test_pieces_written_within_the_interval_go_as_one_and_the_apps_end_cuts_the_wait_short() -> None:
+    # the first piece goes at once; the rest come long before an hour has passed since, and wait
+    # for it no longer than the app's end
+    took = asyncio.Event()
+    assert _read(_handshaking(took, 1), took, 3600.0) == [(200, []), b"a", b"bcd"]
 
 
 def test_closing_the_bridge_early_is_a_client_gone() -> None:

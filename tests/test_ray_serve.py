@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from tests._server_util import parse_metrics, wait_until
+from tests._server_util import free_port, parse_metrics, wait_until
 from tests.conftest import HAS_LLAMA_CPP
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'unillm[ray]'")
@@ -68,12 +67,6 @@ class Cluster:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     from ray.cluster_utils import Cluster as RayCluster
@@ -85,7 +78,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         worker = c.add_node(num_cpus=1)
         ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
-        yield Cluster(c, worker, _free_port())
+        yield Cluster(c, worker, free_port())
     finally:
         try:
             serve.shutdown()
@@ -166,8 +159,15 @@ def test_two_replicas_one_per_node_answer_40_requests_as_the_engine_does(app: Cl
     assert len(replicas) == 2 and len(nodes) == 2, (replicas, nodes)
 
 
+def _decisions(app: Cluster) -> dict[str, float]:
+    samples = parse_metrics(httpx.get(app.url + "/metrics", timeout=10).text)
+    return {dict(labels)["decision"]: v for (name, labels), v in samples.items()
+            if name == "unillm:ray_router_decisions_total"}  # fmt: skip
+
+
 def test_a_prefix_is_served_by_one_replica_and_hits_its_cache(app: Cluster) -> None:
     oai = app.client()
+    before = _decisions(app)
     work = [(k, i) for i in range(10) for k in range(4)]  # 4 system prompts x 10, interleaved
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda ki: _ask(oai, _messages(ki[1], SYSTEMS[ki[0]])), work))
@@ -184,6 +184,10 @@ def test_a_prefix_is_served_by_one_replica_and_hits_its_cache(app: Cluster) -> N
     # one finds its system prompt in its replica's cache
     for k, hits in cached.items():
         assert all(n >= system_tokens for n in hits[2:]), (k, hits)
+    # the router says so too: each request went by its prefix, four prefixes at most new to it
+    routed = {k: v - before[k] for k, v in _decisions(app).items()}
+    assert routed["load"] == routed["overflow"] == 0 and routed["new"] <= 4, routed
+    assert routed["prefix"] + routed["new"] >= 40, routed
 
     # the engines' own prefix-cache counters, as the replicas report them through the ingress
     def hits_by_replica() -> dict[str, float]:

@@ -62,6 +62,12 @@ class RayAppArgs(Validated):
         ge=0,
         description="Bytes of memory each replica asks for; default: the plan's resident bytes.",
     )
+    stream_interval_ms: float = Field(
+        default=50.0,
+        ge=0,
+        description="A replica sends a stream's pieces at most this often, what came meanwhile as one "
+        "(each piece costs two messages through Ray); 0: every piece as written.",
+    )
     ingress_replicas: int = Field(default=1, ge=1, description="Replicas of the (light) ingress.")
     retries: int = Field(
         default=2, ge=0, description="Other replicas a request is sent to when its replica dies."
@@ -201,4 +207,5 @@ def application(ray_args: RayAppArgs, cfg: ServerConfig) -> Any:
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,
     )
-    return ingress.bind(model.bind(cfg), cfg, ray_args.retries, ray_args.stats_period_s)
+    model_app = model.bind(cfg, ray_args.stream_interval_ms)
+    return ingress.bind(model_app, cfg, ray_args.retries, ray_args.stats_period_s)

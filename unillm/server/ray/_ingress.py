@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from unillm.server._anthropic import error_event as anthropic_error
-from unillm.server._app import _too_large, key_refusal
+from unillm.server._app import key_refusal, too_large
 from unillm.server._config import ServerConfig
 from unillm.server._errors import ApiError, error_response
 from unillm.server._openai_wire import error_event as openai_error
-from unillm.server.ray._metrics import gathered, pull
+from unillm.server.ray._metrics import decisions, gathered, pull
 from unillm.server.ray._router import prefix_hashes, prefix_text
 
 __all__ = ["Ingress", "ReplicaLost"]
@@ -71,14 +71,13 @@ class Ingress:
             refused = key_refusal(self.key, path, dict(headers))
             if refused is not None:
                 return error_response(request, refused)
-            return Response(
-                gathered(await pull(self.app)), media_type="text/plain; version=0.0.4; charset=utf-8"
-            )
+            text = gathered(await pull(self.app)) + decisions()
+            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > self.config.max_body_bytes:
-                return error_response(request, _too_large(self.config.max_body_bytes))
+                return error_response(request, too_large(self.config.max_body_bytes))
         prefix = _prefix(path, bytes(body), request.headers.get("content-type", ""))
         args = (request.method, path, request.scope.get("query_string", b""), headers, bytes(body))
         client = request.client

@@ -11,10 +11,11 @@ which Prometheus's ``rate()`` reads as it reads counters."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["REPORTS", "RayExport", "gathered", "pull", "relabeled"]
+__all__ = ["DECISIONS", "REPORTS", "RayExport", "decisions", "gathered", "pull", "relabeled"]
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -52,6 +53,13 @@ REPORTS: dict[str, dict[str, Any]] = {}
 refreshed by :func:`pull`; the router reads each replica's ``kv_usage`` here."""
 
 
+DECISIONS: Counter[str] = Counter()
+"""What this process's prefix routers decided, request by request (``decisions`` says it as
+``unillm:ray_router_decisions_total``): ``prefix``, to the replica holding the prompt's prefix;
+``overflow``, passed over from it for load or a full KV cache; ``new``, a prefix seen for the first
+time; ``load``, no prefix to route by."""
+
+
 async def pull(app: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
     """Ask every live model replica of application ``app`` for its report (its
     ``record_routing_stats``: KV use, prefix hits, metrics) now; the answers replace ``REPORTS``.
@@ -82,6 +90,29 @@ def gathered(reports: dict[str, dict[str, Any]]) -> str:
     """The exposition of every replica's report, each sample labelled with its replica."""
     texts = {name: r["metrics"] for name, r in reports.items() if isinstance(r.get("metrics"), str)}
     return relabeled(texts)
+
+
+def decisions() -> str:
+    """The exposition of this process's prefix routers' decisions (``DECISIONS``)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(
+        "unillm:ray_router_decisions",
+        "Requests the prefix router sent: prefix (to its prefix's replica), overflow (passed over "
+        "from it for load or a full KV cache), new (a prefix first seen), load (no prefix).",
+        labels=["decision"],
+    )
+    for what in ("prefix", "overflow", "new", "load"):
+        family.add_metric([what], float(DECISIONS[what]))
+
+    class _Collected:
+        def collect(self) -> Iterator[Any]:
+            yield family
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collected())  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
 
 
 class RayExport:

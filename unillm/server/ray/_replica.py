@@ -30,9 +30,14 @@ async def asgi_stream(
     headers: list[tuple[bytes, bytes]],
     body: bytes,
     client: tuple[str, int] | None = None,
+    interval_s: float = 0.0,
 ) -> AsyncIterator[Head | bytes]:
     """Run one HTTP request through an ASGI ``app`` and yield its answer: ``(status, headers)``,
-    then each piece of the body. Closing the iterator early is a client gone (``http.disconnect``)."""
+    then the body in pieces. Closing the iterator early is a client gone (``http.disconnect``).
+
+    A piece goes at once when ``interval_s`` has passed since the last one went (the first always
+    does); one written sooner waits out the interval, and whatever the app writes meanwhile goes
+    with it: at most one piece per interval, each token late by less than it."""
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
@@ -41,6 +46,8 @@ async def asgi_stream(
     out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     gone = asyncio.Event()
     sent = False
+    loop = asyncio.get_running_loop()
+    last = float("-inf")  # when the last piece went
 
     async def receive() -> dict[str, Any]:
         nonlocal sent
@@ -69,14 +76,19 @@ async def asgi_stream(
             if message["type"] == "http.response.start":
                 yield message["status"], list(message.get("headers", []))
             elif message["type"] == "http.response.body":
-                # what the app wrote while the last piece was on its way goes as one: each piece
-                # is a message through Ray to the ingress, and another to the proxy
+                # each piece is a message through Ray to the ingress, and another to the proxy:
+                # what the app writes within the interval (or wrote while the last was on its
+                # way) goes as one
                 piece, more = bytearray(message.get("body", b"")), message.get("more_body", False)
+                hold = last + interval_s - loop.time()
+                if more and hold > 0:
+                    await asyncio.wait({task}, timeout=hold)  # the app's end cuts it short
                 while more and not out.empty():  # after the start, only body messages come
                     nxt = out.get_nowait()
                     piece += nxt.get("body", b"")
                     more = nxt.get("more_body", False)
                 if piece:
+                    last = loop.time()
                     yield bytes(piece)
                 if not more:
                     return
@@ -93,11 +105,12 @@ async def asgi_stream(
 class Replica:
     """The model deployment's class (``build_app`` wraps it in ``serve.deployment``)."""
 
-    async def __init__(self, config: ServerConfig) -> None:  # type: ignore[misc]
+    async def __init__(self, config: ServerConfig, stream_interval_ms: float = 0.0) -> None:  # type: ignore[misc]
         from unillm.server import create_app
         from unillm.server._pool import Pool, served_config
 
         self.config = config
+        self.interval_s = stream_interval_ms / 1000
         self.pool = Pool(config)
         for spec in config.models:  # loaded before the replica takes requests
             engine = await asyncio.to_thread(_load, served_config(spec, config))
@@ -122,7 +135,8 @@ class Replica:
     ) -> AsyncIterator[Head | bytes]:
         """Answer one HTTP request (``asgi_stream``), adding this replica's name and node as headers
         (``x-unillm-replica``, ``x-unillm-node``)."""
-        async for item in asgi_stream(self.app, method, path, query, headers, body, client):
+        stream = asgi_stream(self.app, method, path, query, headers, body, client, self.interval_s)
+        async for item in stream:
             if isinstance(item, tuple):
                 status, head = item
                 yield (

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve._private.common import ReplicaID
@@ -72,14 +72,18 @@ def prefix_hashes(text: str | None) -> list[bytes]:
 class PrefixRouter(FIFOMixin, RequestRouter):
     """Serve's request router for unillm's model deployment (the module docstring says how it
     chooses). Its kwargs (``RequestRouterConfig.request_router_kwargs``): ``imbalance`` (default 8)
-    and ``capacity`` (hashes remembered, default 100,000; the oldest go first)."""
+    and ``capacity`` (hashes remembered, default 100,000; the oldest go first). ``decisions``
+    counts what it decided (and ``_metrics.DECISIONS`` for the whole process).
+
+    Serve pickles this class by value (its module's globals are copies where it runs): what it
+    shares with the ingress (``REPORTS``, ``DECISIONS``) it imports from ``_metrics`` when called."""
 
     def initialize_state(self, imbalance: int = 8, capacity: int = 100_000, **_: Any) -> None:
         self._imbalance = max(1, int(imbalance))
         self._capacity = max(1, int(capacity))
         self._owner: OrderedDict[bytes, ReplicaID] = OrderedDict()
         self._prefixes: dict[ReplicaID, int] = {}
-        self.hits = self.misses = self.overflows = 0
+        self.decisions: Counter[str] = Counter()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -101,19 +105,27 @@ class PrefixRouter(FIFOMixin, RequestRouter):
         chosen = next((r for r in candidate_replicas if r.replica_id == owner), None)
         if chosen is not None:
             if load[chosen.replica_id] - least < self._imbalance and not _kv_full(chosen):
-                self.hits += 1
+                self._decided("prefix")
                 return [[chosen], [r for r in by_load if r is not chosen]]
-            self.overflows += 1
-        elif hashes:
-            self.misses += 1
+            self._decided("overflow")  # the others by load, its own replica last
+            return [[r] for r in by_load if r is not chosen] + [[chosen]]
+        if hashes:
+            self._decided("new")
             fewest = sorted(
                 candidate_replicas, key=lambda r: (self._prefixes.get(r.replica_id, 0), load[r.replica_id])
             )
             # claimed now, not once routed: the requests routed meanwhile see it taken
             self._claim(hashes, fewest[0].replica_id)
             return [[fewest[0]], [r for r in by_load if r is not fewest[0]]]
+        self._decided("load")
         # the least loaded first; Serve asks each in turn whether it takes the request
         return [[r] for r in by_load]
+
+    def _decided(self, what: str) -> None:
+        from unillm.server.ray._metrics import DECISIONS
+
+        self.decisions[what] += 1
+        DECISIONS[what] += 1
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._claim(_hashes_of(pending_request), replica_id)
