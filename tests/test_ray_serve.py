@@ -59,8 +59,8 @@ class Cluster:
     cli: subprocess.Popen[str] | None = None
     said: list[str] | None = None
 
-    def client(self, prefix: str = "") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key="unused", max_retries=0, timeout=60)
+    def client(self, prefix: str = "", key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}{prefix}/v1", api_key=key, max_retries=0, timeout=60)
 
     @property
     def url(self) -> str:
@@ -308,14 +308,32 @@ def _under_load(
     return whole, streamed
 
 
-def test_autoscales_from_one_replica_to_two_under_load_and_back(cluster: Cluster, tiny_gguf: Path) -> None:
+def test_with_an_api_key_autoscales_from_one_replica_to_two_under_load_and_back(
+    cluster: Cluster, tiny_gguf: Path
+) -> None:
+    key = "ray-test-key"  # as a Serve config's args give it (the docs' example sets it by env)
     _deploy("auto", {**ENGINE, "model": str(tiny_gguf), "num_replicas": "auto", "min_replicas": 1,
                      "max_replicas": 2, "target_ongoing_requests": 1, "replica_cpus": 0,
-                     "upscale_delay_s": 0, "downscale_delay_s": 1,
+                     "upscale_delay_s": 0, "downscale_delay_s": 1, "api_key": key,
                      "autoscaling": {"look_back_period_s": 1}})  # fmt: skip
     try:
         assert _running("auto") == 1
-        oai = cluster.client("/auto")
+        # the key is unillm serve's: refused without it (the metrics too), at the ingress or a replica
+        body = {"model": ALIAS, "messages": _messages(0), "max_tokens": 4}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = httpx.post(
+                f"{cluster.url}/auto/v1/chat/completions", json=body, headers=headers, timeout=60
+            )
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{cluster.url}/auto/metrics", timeout=60).status_code == 401
+        assert (
+            httpx.get(f"{cluster.url}/auto/metrics", headers={"x-api-key": key}, timeout=60).status_code
+            == 200
+        )
+        with pytest.raises(openai.AuthenticationError):
+            cluster.client("/auto").chat.completions.create(model=ALIAS, messages=_messages(0), max_tokens=4)  # type: ignore[arg-type]
+        oai = cluster.client("/auto", key=key)
         whole, _ = _under_load(oai, lambda: None, lambda: _running("auto") == 2)
         assert all(r[0] == "ok" for r in whole), [r for r in whole if r[0] != "ok"][:3]
         wait_until(lambda: _running("auto") == 1, 120, "the idle deployment to scale back to one replica")
