@@ -6,14 +6,19 @@ A workload of shared system prompts (``--prefixes`` long system prompts, request
 Per configuration and concurrency: aggregate output tokens/s (over the run's wall time, median over
 rounds) and TTFT p50/p99 (request sent -> first content chunk, pooled over rounds); and, read from
 each worker's own ``/metrics`` around the runs, how many requests each worker served and how many
-prompt tokens its prefix cache held (``unillm:prefix_cache_hits`` / ``_queries``).
+prompt tokens its prefix cache held (``unillm:prefix_cache_hits`` / ``_queries``); for a Ray
+application, what its prefix router decided (``router_decisions``: prefix, overflow, new, load).
 
 Configurations (``CONFIGS``; each is a function that starts its processes and yields the base URL
 the load goes to, so another kind of fleet is one more function):
 
 - ``unillm-1``: one ``unillm serve`` (llama.cpp, all cores), clients straight to it;
 - ``unillm-1-half``: the same with half the cores' threads (what each worker of ``smg-2`` has);
-- ``smg-2``: two ``unillm serve`` processes behind SMG (``scripts/smg.sh``), ``cache_aware``.
+- ``smg-2``: two ``unillm serve`` processes behind SMG (``scripts/smg.sh``), ``cache_aware``;
+- ``ray-1``, ``ray-2``: ``unillm.server.ray``'s application with one or two replicas on a Ray
+  started in this process, unillm's prefix-aware router, stream pieces sent at most every 50 ms
+  (the default ``stream_interval_ms``); ``ray-2-every``: each piece as written (0 ms);
+  ``ray-2-default``: Serve's own router.
 
 The machine's cores are shared out: each of a configuration's N workers runs llama.cpp with
 ``cores // N`` threads (one worker: all of them), so every configuration uses the same cores; the
@@ -21,8 +26,9 @@ load generator and the router run on them too. (On a shared machine, llama.cpp w
 threads as cores slows down many times over when other work takes a core: its threads wait for
 each other; ``unillm-1-half`` shows one worker without that.) All configurations stay up for the whole run and
 rounds interleave them (A, B, then B, A, ...) so drift on a shared machine hits them alike; each
-run records the cores the rest of the machine kept busy meanwhile (``other_cpu_cores``: all CPUs'
-busy time less this process's and the configuration's processes').
+run records the cores the configuration kept busy, the load generator with it (``cpu_cores``:
+this process, the configuration's processes, for Ray all of Ray's), and the cores the rest of the
+machine kept busy meanwhile (``other_cpu_cores``: all CPUs' busy time less those).
 
     python benchmarks/scale_out.py [--configs unillm-1,unillm-1-half,smg-2] [--concurrency 8,32] [--rounds 3]
         [--tokens 64] [--prefixes 4] [--quick] [--json benchmarks/results-scale_out.json]
@@ -36,7 +42,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +56,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import ROOT, checkout_unillm, machine, tiny_bench_model
+from _common import ROOT, checkout_unillm, free_port, machine, tiny_bench_model
 from _http_load import percentile, run_load, summarize
 
 ALIAS = "tiny-bench"
@@ -82,10 +87,7 @@ class Fleet:
     commands: list[str] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_SESSIONS: set[int] = set()  # the process groups ``start`` opened (a configuration's processes)
 
 
 def start(p: Proc, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> None:
@@ -99,6 +101,7 @@ def start(p: Proc, env: dict[str, str] | None = None, timeout_s: float = 120.0) 
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
+    _SESSIONS.add(p.proc.pid)
     while not p.ready():
         if p.proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
             stop(p)
@@ -223,7 +226,9 @@ def _ray_version() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def ray_app(ctx: Context, name: str, replicas: int, router: str) -> Iterator[Fleet]:
+def ray_app(
+    ctx: Context, name: str, replicas: int, router: str, interval_ms: float = 50.0
+) -> Iterator[Fleet]:
     """unillm.server.ray's application on a one-machine Ray: ``replicas`` llama.cpp replicas with
     ``cores // replicas`` threads each (as SMG's workers), ``router`` routing; route ``/<name>``."""
     from ray import serve
@@ -236,7 +241,8 @@ def ray_app(ctx: Context, name: str, replicas: int, router: str) -> Iterator[Fle
     args = {
         "model": str(ctx.model), "alias": ALIAS, "backend": "llama.cpp", "context_length": CONTEXT,
         "options": {"n_threads": threads, "n_threads_batch": threads}, "num_replicas": replicas,
-        "router": router, "replica_cpus": 0,  # every configuration shares the same cores
+        "router": router, "stream_interval_ms": interval_ms,
+        "replica_cpus": 0,  # every configuration shares the same cores
     }  # fmt: skip
     t0 = time.perf_counter()
     serve._run(build_app(args), name=name, route_prefix=f"/{name}", _blocking=False)
@@ -277,6 +283,10 @@ CONFIGS: dict[str, tuple[str, Callable[[Context], contextlib.AbstractContextMana
         "unillm on Ray Serve, two replicas (llama.cpp, cores/2 threads each), unillm's prefix-aware router",
         lambda ctx: ray_app(ctx, "ray-2", 2, "prefix"),
     ),
+    "ray-2-every": (
+        "unillm on Ray Serve as ray-2, each stream piece sent as written (stream_interval_ms=0)",
+        lambda ctx: ray_app(ctx, "ray-2-every", 2, "prefix", 0.0),
+    ),
     "ray-2-default": (
         "unillm on Ray Serve, two replicas (llama.cpp, cores/2 threads each), Serve's default router",
         lambda ctx: ray_app(ctx, "ray-2-default", 2, "default"),
@@ -316,15 +326,20 @@ def body_for(round_: int, concurrency: int, prefixes: int, tokens: int) -> Calla
     return body
 
 
-def worker_counts(workers: list[str]) -> dict[str, dict[str, float]]:
+def worker_counts(workers: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Per worker: chat requests answered and prefix-cache tokens (hits, queries), by its /metrics
-    (a Ray application's ingress gives every replica's, labelled: one worker per replica)."""
+    (a Ray application's ingress gives every replica's, labelled: one worker per replica); and what
+    a Ray application's prefix router decided (``unillm:ray_router_decisions``), if any."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, dict[str, float]] = {}
+    routed: dict[str, float] = {}
     for w in workers:
         for family in text_string_to_metric_families(httpx.get(w + "/metrics", timeout=10).text):
             for s in family.samples:
+                if s.name == "unillm:ray_router_decisions_total":
+                    routed[s.labels["decision"]] = routed.get(s.labels["decision"], 0.0) + s.value
+                    continue
                 key = f"{w}#{s.labels['replica']}" if "replica" in s.labels else w
                 got = out.setdefault(key, {"requests": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0})
                 if s.name == "unillm:requests_total" and s.labels.get("route") == "/v1/chat/completions":
@@ -333,39 +348,57 @@ def worker_counts(workers: list[str]) -> dict[str, dict[str, float]]:
                     got["prefix_hits"] += s.value
                 elif s.name == "unillm:prefix_cache_queries_total":
                     got["prefix_queries"] += s.value
-    return out
+    return out, routed
 
 
-def cpu_ticks(groups: set[int]) -> tuple[int, int]:
-    """(busy ticks of all CPUs, ticks of this process and of the process groups ``groups``)."""
+def cpu_ticks(groups: set[int], ray: bool) -> tuple[int, int]:
+    """(busy ticks of all CPUs, ticks of this process and of the process groups ``groups``, and
+    with ``ray`` of this process's Ray: its descendants outside the sessions ``start`` opened)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     ticks = [int(x) for x in fields[:8]]
     busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
-    own = 0
+    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, group, ticks)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             rest = stat.read_text().rpartition(")")[2].split()
-            if int(stat.parent.name) == os.getpid() or int(rest[2]) in groups:
-                own += int(rest[11]) + int(rest[12])  # utime + stime, all threads
+            procs[int(stat.parent.name)] = (int(rest[1]), int(rest[2]), int(rest[11]) + int(rest[12]))
+    me = os.getpid()
+
+    def mine(pid: int) -> bool:  # a descendant of this process (Ray's processes are)
+        seen = 0
+        while pid > 1 and seen < 64:
+            pid, seen = procs[pid][0] if pid in procs else 0, seen + 1
+            if pid == me:
+                return True
+        return False
+
+    own = sum(
+        t
+        for pid, (_, group, t) in procs.items()
+        if pid == me or group in groups or (ray and group not in _SESSIONS and mine(pid))
+    )
     return busy, own
 
 
 def measure(f: Fleet, round_: int, concurrency: int, n: int, tokens: int, prefixes: int) -> dict[str, Any]:
     """One closed-loop run of ``n`` requests at ``concurrency`` against ``f``."""
     load_avg = os.getloadavg()[0]
-    groups = {p.proc.pid for p in f.procs if p.proc is not None} | ({os.getpgid(0)} if _RAY else set())
-    before = worker_counts(f.workers)
-    ticks = cpu_ticks(groups)
+    groups = {p.proc.pid for p in f.procs if p.proc is not None}
+    ray = not groups  # a Ray application: its processes are Ray's, children of this one
+    before, routed_before = worker_counts(f.workers)
+    ticks = cpu_ticks(groups, ray)
     body = body_for(round_, concurrency, prefixes, tokens)
     records, wall = asyncio.run(run_load(f.url, body, n, concurrency))
-    busy, own = (b - a for a, b in zip(ticks, cpu_ticks(groups), strict=True))
-    after = worker_counts(f.workers)
+    busy, own = (b - a for a, b in zip(ticks, cpu_ticks(groups, ray), strict=True))
+    after, routed = worker_counts(f.workers)
     out = summarize(records, wall, tokens)
     out["load_avg_1m_before"] = load_avg
     # cores the rest of the machine kept busy meanwhile (a shared machine: others' work shows here)
+    out["cpu_cores"] = own / os.sysconf("SC_CLK_TCK") / wall
     out["other_cpu_cores"] = max(0.0, (busy - own) / os.sysconf("SC_CLK_TCK") / wall)
     zero = {"requests": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0}
     out["workers"] = {w: {k: v - before.get(w, zero)[k] for k, v in got.items()} for w, got in after.items()}
+    out["router"] = {k: v - routed_before.get(k, 0.0) for k, v in routed.items()}
     return out
 
 
@@ -394,9 +427,23 @@ def digest(runs: list[dict[str, Any]]) -> dict[str, Any]:
             {r["output_tokens_min"] for r in runs} | {r["output_tokens_max"] for r in runs}
         ),
         "load_avg_1m_before": [round(r["load_avg_1m_before"], 2) for r in runs],
+        "cpu_cores": [round(r["cpu_cores"], 2) for r in runs],
         "other_cpu_cores": [round(r["other_cpu_cores"], 2) for r in runs],
         "workers": per_worker,
+        **({"router_decisions": router} if (router := _summed([r["router"] for r in runs])) else {}),
     }
+
+
+def _counts(counts: dict[str, float]) -> str:
+    return " ".join(f"{k} {int(v)}" for k, v in sorted(counts.items()))
+
+
+def _summed(counts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def bench(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
@@ -421,7 +468,8 @@ def bench(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
                         f"round {r} c={c:3d} {name:10s} {res['output_tok_s']:8.1f} tok/s  ttft p50 "
                         f"{(res['ttft_p50_s'] or float('nan')) * 1000:7.1f} ms p99 "
                         f"{(res['ttft_p99_s'] or float('nan')) * 1000:7.1f} ms  served {split}  "
-                        f"others {res['other_cpu_cores']:.2f} cores"
+                        f"cores {res['cpu_cores']:.2f}, others {res['other_cpu_cores']:.2f}"
+                        f"{'  routed ' + _counts(res['router']) if res['router'] else ''}"
                         f"{'  ' + str(len(res['errors'])) + ' errors' if res['errors'] else ''}",
                         flush=True,
                     )
