@@ -3,6 +3,7 @@ ratios and the isolated per-token cost of unillm's base class."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as md
 import os
 import platform
@@ -30,12 +31,17 @@ Contender = Callable[[int], tuple[int, str]]  # tokens wanted -> (tokens produce
 
 
 def tiny_bench_model(model: Any, *, gguf: bool = False) -> dict[str, Any]:
-    """What the numbers were measured with: the tiny bench model, as the GGUF or the HF directory."""
-    from unillm.testing._tiny import file_digest
+    """What the numbers were measured with: the tiny bench model (or another tiny Llama, such as
+    ``large_model``'s, named by its size), as the GGUF or the HF directory."""
+    from unillm.testing._tiny import SIZES, file_digest
 
     weights = model.gguf_path if gguf else model.hf_dir / "model.safetensors"
+    bench = model.spec == SIZES["bench"]
     return {
-        "name": "unillm tiny bench (random weights)",
+        "name": "unillm tiny bench (random weights)"
+        if bench
+        else f"unillm tiny llama, {model.spec.n_params / 1e6:.0f}M parameters (random weights)",
+        **({} if bench else {"shape": dataclasses.asdict(model.spec)}),
         "architecture": "llama",
         "params": model.spec.n_params,
         "weights": "f32 GGUF" if gguf else "f32 safetensors",
@@ -151,3 +157,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def large_model(root: Path | None = None) -> Any:
+    """A ~100M-parameter Llama of random weights (f32 GGUF, about 400 MB; vocabulary 32,000),
+    built under ``root`` (``$TMPDIR/unillm-bench-models``) on first use: tokens that cost about ten
+    times the bench model's compute."""
+    from unillm.testing import build_tiny_model
+    from unillm.testing._tiny import TinySpec
+
+    spec = TinySpec(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=32000
+    )
+    root = root or Path(os.environ.get("TMPDIR", "/tmp")) / "unillm-bench-models"
+    return build_tiny_model(root / "tiny-large", spec)

@@ -39,22 +39,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import machine, tiny_bench_model
+from _common import large_model, machine, tiny_bench_model
 
 TOKENS = 128
 LEVELS = (1, 4, 8)
 CONTEXT = 1024
 PROMPTS = [f"Story {i}: once upon a time, a small model number {i} wanted to tell stories." for i in range(8)]
-
-
-def large_model(root: Path) -> Any:
-    from unillm.testing import build_tiny_model
-    from unillm.testing._tiny import TinySpec
-
-    spec = TinySpec(
-        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=32000
-    )
-    return build_tiny_model(root / "tiny-large", spec)
 
 
 def run_main(generate: Any) -> dict[str, Any]:
@@ -115,7 +105,7 @@ def main() -> None:
     cores = os.cpu_count() or 1
     models = {"bench": tiny_model("bench")}
     if args.large:
-        models["large"] = large_model(Path(os.environ.get("TMPDIR", "/tmp")) / "unillm-bench-models")
+        models["large"] = large_model()
     greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     common = {"n_threads": cores, "n_threads_batch": cores, "n_batch": 512, "seed": 0}
     report: dict[str, Any] = {"machine": machine("llama-cpp-python"), "tokens": TOKENS, "models": {}}

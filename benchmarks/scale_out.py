@@ -18,6 +18,7 @@ the load goes to, so another kind of fleet is one more function):
 - ``ray-1``, ``ray-2``: ``unillm.server.ray``'s application with one or two replicas on a Ray
   started in this process, unillm's prefix-aware router, stream pieces sent at most every 50 ms
   (the default ``stream_interval_ms``); ``ray-2-every``: each piece as written (0 ms);
+  ``ray-2-imbalance-32``: a prefix's replica passed over only 32 requests behind (default 8);
   ``ray-2-default``: Serve's own router.
 
 The machine's cores are shared out: each of a configuration's N workers runs llama.cpp with
@@ -31,7 +32,7 @@ this process, the configuration's processes, for Ray all of Ray's), and the core
 machine kept busy meanwhile (``other_cpu_cores``: all CPUs' busy time less those).
 
     python benchmarks/scale_out.py [--configs unillm-1,unillm-1-half,smg-2] [--concurrency 8,32] [--rounds 3]
-        [--tokens 64] [--prefixes 4] [--quick] [--json benchmarks/results-scale_out.json]
+        [--tokens 64] [--prefixes 4] [--large] [--quick] [--json benchmarks/results-scale_out.json]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import ROOT, checkout_unillm, free_port, machine, tiny_bench_model
+from _common import ROOT, checkout_unillm, free_port, large_model, machine, tiny_bench_model
 from _http_load import percentile, run_load, summarize
 
 ALIAS = "tiny-bench"
@@ -227,7 +228,7 @@ def _ray_version() -> dict[str, str]:
 
 @contextlib.contextmanager
 def ray_app(
-    ctx: Context, name: str, replicas: int, router: str, interval_ms: float = 50.0
+    ctx: Context, name: str, replicas: int, router: str, interval_ms: float = 50.0, imbalance: int = 8
 ) -> Iterator[Fleet]:
     """unillm.server.ray's application on a one-machine Ray: ``replicas`` llama.cpp replicas with
     ``cores // replicas`` threads each (as SMG's workers), ``router`` routing; route ``/<name>``."""
@@ -241,7 +242,7 @@ def ray_app(
     args = {
         "model": str(ctx.model), "alias": ALIAS, "backend": "llama.cpp", "context_length": CONTEXT,
         "options": {"n_threads": threads, "n_threads_batch": threads}, "num_replicas": replicas,
-        "router": router, "stream_interval_ms": interval_ms,
+        "router": router, "stream_interval_ms": interval_ms, "imbalance": imbalance,
         "replica_cpus": 0,  # every configuration shares the same cores
     }  # fmt: skip
     t0 = time.perf_counter()
@@ -286,6 +287,10 @@ CONFIGS: dict[str, tuple[str, Callable[[Context], contextlib.AbstractContextMana
     "ray-2-every": (
         "unillm on Ray Serve as ray-2, each stream piece sent as written (stream_interval_ms=0)",
         lambda ctx: ray_app(ctx, "ray-2-every", 2, "prefix", 0.0),
+    ),
+    "ray-2-imbalance-32": (
+        "unillm on Ray Serve as ray-2, a prefix's replica passed over only 32 requests behind (imbalance=32)",
+        lambda ctx: ray_app(ctx, "ray-2-imbalance-32", 2, "prefix", imbalance=32),
     ),
     "ray-2-default": (
         "unillm on Ray Serve, two replicas (llama.cpp, cores/2 threads each), Serve's default router",
@@ -494,6 +499,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default 2 x concurrency)")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--prefixes", type=int, default=4, help="distinct system prompts")
+    ap.add_argument("--large", action="store_true", help="the ~100M-parameter model, not the bench one")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 16 requests, 16 tokens")
     ap.add_argument("--json", help="write the results here (e.g. benchmarks/results-scale_out.json)")
     ap.add_argument("--note", action="append", default=[], help="a note to keep with the results")
@@ -507,7 +513,7 @@ def main() -> None:
 
     from unillm.testing import tiny_model
 
-    model = tiny_model("bench")
+    model = large_model() if args.large else tiny_model("bench")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="unillm-scale-out-") as tmp:
         ctx = Context(model.gguf_path, os.cpu_count() or 1, Path(tmp))

@@ -26,7 +26,7 @@ from typing import Any
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve._private.request_router.request_router import RequestRouter
 
 __all__ = ["BLOCK_CHARS", "PrefixRouter", "prefix_hashes", "prefix_text"]
 
@@ -69,11 +69,14 @@ def prefix_hashes(text: str | None) -> list[bytes]:
     return out
 
 
-class PrefixRouter(FIFOMixin, RequestRouter):
+class PrefixRouter(RequestRouter):
     """Serve's request router for unillm's model deployment (the module docstring says how it
     chooses). Its kwargs (``RequestRouterConfig.request_router_kwargs``): ``imbalance`` (default 8)
     and ``capacity`` (hashes remembered, default 100,000; the oldest go first). ``decisions``
     counts what it decided (and ``_metrics.DECISIONS`` for the whole process).
+
+    The replica chosen for a request goes to that request (Serve's default matching; its
+    ``FIFOMixin`` would hand it to the oldest request waiting, whatever its prefix).
 
     Serve pickles this class by value (its module's globals are copies where it runs): what it
     shares with the ingress (``REPORTS``, ``DECISIONS``) it imports from ``_metrics`` when called."""
