@@ -160,7 +160,7 @@ def free_port() -> int:
 
 
 def large_model(root: Path | None = None) -> Any:
-    """A ~100M-parameter Llama of random weights (f32 GGUF, about 400 MB; vocabulary 32,000),
+    """A ~125M-parameter Llama of random weights (f32 GGUF, about 400 MB; vocabulary 32,000),
     built under ``root`` (``$TMPDIR/unillm-bench-models``) on first use: tokens that cost about ten
     times the bench model's compute."""
     from unillm.testing import build_tiny_model

@@ -17,7 +17,7 @@ of its own (the batching engine decodes on its one worker thread either way).
 
 Rounds interleave (who goes first rotates). Aggregate throughput = generated tokens / (first
 submit -> last token); TTFT per stream = its first token - the common start. Models: the tiny
-bench model (~50 MB) and, with ``--large``, a ~100M-parameter Llama of random weights (f32 GGUF,
+bench model (~50 MB) and, with ``--large``, a ~125M-parameter Llama of random weights (f32 GGUF,
 ~400 MB) the builders write. Goals (issue 28): batch >= 2x serial at 8 streams on the bench model;
 batch at 1 stream >= 0.99x raw. The server-level comparison with llama-cpp-python's server and
 xllamacpp is ``unillm bench --servers``.
@@ -91,7 +91,7 @@ def run_streams(generate: Any, n: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--large", action="store_true", help="also the ~100M-parameter model")
+    ap.add_argument("--large", action="store_true", help="also the ~125M-parameter model")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 

@@ -499,7 +499,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default 2 x concurrency)")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--prefixes", type=int, default=4, help="distinct system prompts")
-    ap.add_argument("--large", action="store_true", help="the ~100M-parameter model, not the bench one")
+    ap.add_argument("--large", action="store_true", help="the ~125M-parameter model, not the bench one")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 16 requests, 16 tokens")
     ap.add_argument("--json", help="write the results here (e.g. benchmarks/results-scale_out.json)")
     ap.add_argument("--note", action="append", default=[], help="a note to keep with the results")
