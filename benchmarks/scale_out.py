@@ -18,6 +18,7 @@ the load goes to, so another kind of fleet is one more function):
 - ``ray-1``, ``ray-2``: ``unillm.server.ray``'s application with one or two replicas on a Ray
   started in this process, unillm's prefix-aware router, stream pieces sent at most every 50 ms
   (the default ``stream_interval_ms``); ``ray-2-every``: each piece as written (0 ms);
+  ``ray-2-100ms``: at most every 100 ms;
   ``ray-2-imbalance-32``: a prefix's replica passed over only 32 requests behind (default 8);
   ``ray-2-default``: Serve's own router.
 
@@ -287,6 +288,10 @@ CONFIGS: dict[str, tuple[str, Callable[[Context], contextlib.AbstractContextMana
     "ray-2-every": (
         "unillm on Ray Serve as ray-2, each stream piece sent as written (stream_interval_ms=0)",
         lambda ctx: ray_app(ctx, "ray-2-every", 2, "prefix", 0.0),
+    ),
+    "ray-2-100ms": (
+        "unillm on Ray Serve as ray-2, stream pieces at most every 100 ms (stream_interval_ms=100)",
+        lambda ctx: ray_app(ctx, "ray-2-100ms", 2, "prefix", 100.0),
     ),
     "ray-2-imbalance-32": (
         "unillm on Ray Serve as ray-2, a prefix's replica passed over only 32 requests behind (imbalance=32)",
