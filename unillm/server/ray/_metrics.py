@@ -22,7 +22,6 @@ _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 def relabeled(texts: dict[str, str]) -> str:
     """One exposition from several replicas' (name -> text): every sample labelled ``replica``."""
-    from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     families: dict[str, Any] = {}
@@ -32,10 +31,16 @@ def relabeled(texts: dict[str, str]) -> str:
                 labels = s.labels if "replica" in s.labels else {**s.labels, "replica": replica}
                 families.setdefault(family.name, _empty(family))
                 families[family.name].samples.append(s._replace(labels=labels))
+    return _exposition(list(families.values()))
+
+
+def _exposition(families: list[Any]) -> str:
+    """The Prometheus text of metric families built here (not a registry's own metrics)."""
+    from prometheus_client import CollectorRegistry, generate_latest
 
     class _Collected:
         def collect(self) -> Iterator[Any]:
-            yield from families.values()
+            yield from families
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collected())  # type: ignore[arg-type]
@@ -53,6 +58,7 @@ REPORTS: dict[str, dict[str, Any]] = {}
 refreshed by :func:`pull`; the router reads each replica's ``kv_usage`` here."""
 
 
+DECISION_KINDS = ("prefix", "overflow", "new", "load")
 DECISIONS: Counter[str] = Counter()
 """What this process's prefix routers decided, request by request (``decisions`` says it as
 ``unillm:ray_router_decisions_total``): ``prefix``, to the replica holding the prompt's prefix;
@@ -94,7 +100,6 @@ def gathered(reports: dict[str, dict[str, Any]]) -> str:
 
 def decisions() -> str:
     """The exposition of this process's prefix routers' decisions (``DECISIONS``)."""
-    from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily
 
     family = CounterMetricFamily(
@@ -103,16 +108,9 @@ def decisions() -> str:
         "from it for load or a full KV cache), new (a prefix first seen), load (no prefix).",
         labels=["decision"],
     )
-    for what in ("prefix", "overflow", "new", "load"):
+    for what in DECISION_KINDS:
         family.add_metric([what], float(DECISIONS[what]))
-
-    class _Collected:
-        def collect(self) -> Iterator[Any]:
-            yield family
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collected())  # type: ignore[arg-type]
-    return generate_latest(registry).decode()
+    return _exposition([family])
 
 
 class RayExport:

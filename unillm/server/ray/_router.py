@@ -125,8 +125,9 @@ class PrefixRouter(RequestRouter):
         return [[r] for r in by_load]
 
     def _decided(self, what: str) -> None:
-        from unillm.server.ray._metrics import DECISIONS
+        from unillm.server.ray._metrics import DECISION_KINDS, DECISIONS
 
+        assert what in DECISION_KINDS, what
         self.decisions[what] += 1
         DECISIONS[what] += 1
 
