@@ -157,6 +157,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "before; tests/test_smg.py makes the same calls through it",
     ("docs/scaling-out.md", "pip install 'unillm[ray]'"): "an installation command; the test environment "
     "installs the extra (pyproject's dev extra)",
+    ("docs/scaling-out.md", "export RAY_SERVE_ENABLE_HA_PROXY=1"): "serves until stopped; "
+    "tests/test_ray_direct.py runs unillm serve --ray with these variables on a one-node cluster and "
+    "sends requests through HAProxy",
     ("docs/scaling-out.md", "--ray local --replicas 2"): "serves until stopped; tests/test_ray_serve.py "
     "runs unillm serve --ray against a two-node cluster, sends requests and stops it with SIGINT",
     ("docs/scaling-out.md", "serve run unillm.server.ray:build_app"): "Ray's own command, serving until "

@@ -80,6 +80,22 @@ def test_the_prefix_is_the_prompts_leading_blocks_and_differs_by_model_and_route
     for path, body in [("/v1/embeddings", chat), ("/v1/chat/completions", ["not", "a", "dict"]),
                        ("/v1/chat/completions", {"model": "a", "messages": "short"})]:  # fmt: skip
         assert prefix_hashes(prefix_text(path, body)) == []
+    # the direct router sees the body alone: its fields tell the route, to the same text
+    completion = {"model": "a", "prompt": system}
+    routes = [("/v1/chat/completions", chat), ("/v1/messages", anthropic), ("/v1/completions", completion)]
+    for path, body in routes:
+        assert prefix_text(None, body) == prefix_text(path, body), path
+    assert prefix_text(None, {"model": "a", "input": system}) is None  # embeddings: no prompt to route by
+
+
+def test_the_direct_shape_without_haproxy_is_a_config_error_saying_what_to_set() -> None:
+    from unillm.server.ray._build import application
+
+    ray_args, cfg = split_args({"model": "m.gguf", "backend": "llama.cpp", "ingress": "direct"})
+    with pytest.raises(ConfigError, match="RAY_SERVE_ENABLE_HA_PROXY=1"):
+        application(ray_args, cfg)
+    with pytest.raises(ConfigError, match="ingress"):
+        split_args({"model": "m.gguf", "ingress": "haproxy"})
 
 
 @dataclass(frozen=True)
@@ -162,8 +178,9 @@ def test_the_routers_decisions_are_counted_for_the_ingresss_metrics(
     from unillm.server.ray._metrics import decisions
 
     def counts() -> dict[str, float]:
-        (family,) = text_string_to_metric_families(decisions())
+        family, seen = text_string_to_metric_families(decisions())
         assert family.name == "unillm:ray_router_decisions" and family.type == "counter"
+        assert seen.name == "unillm:ray_router_replicas" and seen.type == "gauge"
         return {s.labels["decision"]: s.value for s in family.samples if s.name.endswith("_total")}
 
     before = counts()
@@ -174,6 +191,9 @@ def test_the_routers_decisions_are_counted_for_the_ingresss_metrics(
     _route(router, replicas, "short")
     after = counts()
     assert {k: after[k] - before[k] for k in after} == {"prefix": 2, "overflow": 0, "new": 1, "load": 1}
+    # the direct shape's replicas pass the routers' counts and the replicas they see (the fewest)
+    (_, seen) = text_string_to_metric_families(decisions(after, 3))  # type: ignore[arg-type]
+    assert seen.samples[0].value == 3
 
 
 def test_a_replica_whose_kv_cache_is_full_loses_its_prefixs_request_by_the_ingresss_reports(

@@ -68,7 +68,15 @@ class RayAppArgs(Validated):
         description="A replica sends a stream's pieces at most this often, what came meanwhile as one "
         "(each piece costs two messages through Ray); 0: every piece as written.",
     )
-    ingress_replicas: int = Field(default=1, ge=1, description="Replicas of the (light) ingress.")
+    ingress: Literal["auto", "proxy", "direct"] = Field(
+        default="auto",
+        description="proxy: Serve's proxy, then unillm's ingress deployment, then a replica; direct: "
+        "HAProxy straight to a replica (Serve's high-throughput mode, RAY_SERVE_ENABLE_HA_PROXY=1); "
+        "auto: direct when that is set here.",
+    )
+    ingress_replicas: int = Field(
+        default=1, ge=1, description="Replicas of the (light) ingress, or of the direct router."
+    )
     retries: int = Field(
         default=2, ge=0, description="Other replicas a request is sent to when its replica dies."
     )
@@ -201,6 +209,8 @@ def application(ray_args: RayAppArgs, cfg: ServerConfig) -> Any:
             request_router_class=PrefixRouter,  # type: ignore[arg-type]  # a class, as Serve documents
             request_router_kwargs={"imbalance": ray_args.imbalance},
         )
+    if direct(ray_args):
+        return _direct_application(ray_args, cfg, options)
     model = serve.deployment(Replica, name="UnillmModel").options(**options)  # type: ignore[attr-defined]
     ingress = serve.deployment(Ingress, name="UnillmIngress").options(  # type: ignore[attr-defined]
         num_replicas=ray_args.ingress_replicas,
@@ -209,3 +219,34 @@ def application(ray_args: RayAppArgs, cfg: ServerConfig) -> Any:
     )
     model_app = model.bind(cfg, ray_args.stream_interval_ms)
     return ingress.bind(model_app, cfg, ray_args.retries, ray_args.stats_period_s)
+
+
+def direct(ray_args: RayAppArgs) -> bool:
+    """Whether the application takes the direct shape (unillm/server/ray/_direct.py)."""
+    from unillm.server.ray._direct import haproxy_enabled
+
+    return ray_args.ingress == "direct" or (ray_args.ingress == "auto" and haproxy_enabled())
+
+
+def _direct_application(ray_args: RayAppArgs, cfg: ServerConfig, options: dict[str, Any]) -> Any:
+    """HAProxy asks the router for a replica, then sends the request straight to it."""
+    from ray import serve
+
+    from unillm.server.ray._direct import DirectReplica, DirectRouter, haproxy_enabled
+
+    if not haproxy_enabled():
+        raise ConfigError(
+            "ingress=direct needs Ray Serve's HAProxy: set RAY_SERVE_ENABLE_HA_PROXY=1 and "
+            "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 where Ray and this app start "
+            "(docs/scaling-out.md), or leave ingress=auto"
+        )
+    # no stream interval: a replica writes to HAProxy's connection itself, as unillm serve does
+    model = serve.deployment(serve.ingress()(DirectReplica), name="UnillmModel")  # type: ignore[attr-defined]
+    model_app = model.options(**options).bind(cfg, 0.0)
+    router = serve.deployment(serve.ingress()(DirectRouter), name="UnillmRouter").options(  # type: ignore[attr-defined]
+        num_replicas=ray_args.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000,
+    )
+    # Serve's (private) hook for an ingress request router, as Ray Serve LLM's direct streaming uses
+    return model_app._with_ingress_request_router(router.bind(model_app, cfg, ray_args.stats_period_s))

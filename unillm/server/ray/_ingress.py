@@ -27,7 +27,7 @@ from unillm.server._openai_wire import error_event as openai_error
 from unillm.server.ray._metrics import decisions, gathered, pull
 from unillm.server.ray._router import prefix_hashes, prefix_text
 
-__all__ = ["Ingress", "ReplicaLost"]
+__all__ = ["Ingress", "ReplicaLost", "reporting", "served_path"]
 
 log = logging.getLogger("unillm.server.ray")
 _LOST = (RayActorError, ActorUnavailableError)
@@ -59,13 +59,13 @@ class Ingress:
         key = config.resolved_api_key()
         self.key = key.encode() if key else None
         self.app = serve.get_replica_context().app_name
-        self._reports = asyncio.get_running_loop().create_task(_reporting(self.app, stats_period_s))
+        self._reports = asyncio.get_running_loop().create_task(reporting(self.app, stats_period_s))
 
     async def __del__(self) -> None:
         self._reports.cancel()
 
     async def __call__(self, request: Request) -> Response:
-        path = _path(request.scope)
+        path = served_path(request.scope)
         headers = list(request.scope.get("headers") or ())
         if path == "/metrics":
             refused = key_refusal(self.key, path, dict(headers))
@@ -96,7 +96,7 @@ class Ingress:
         return error_response(request, ReplicaLost(self.retries + 1))
 
 
-async def _reporting(app: str, period_s: float) -> None:
+async def reporting(app: str, period_s: float) -> None:
     """Refresh the replicas' reports every ``period_s`` (the router reads their KV use there)."""
     while True:
         try:
@@ -119,7 +119,7 @@ async def _relay(answer: Any, path: str) -> AsyncIterator[bytes]:
         answer.cancel()
 
 
-def _path(scope: Mapping[str, Any]) -> str:
+def served_path(scope: Mapping[str, Any]) -> str:
     """The request's path below the application's route prefix (Serve's ``root_path``)."""
     path, root = str(scope.get("path", "/")), str(scope.get("root_path", "")).rstrip("/")
     return path[len(root) :] or "/" if root and path.startswith(root + "/") else path

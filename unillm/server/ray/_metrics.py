@@ -15,7 +15,10 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["DECISIONS", "REPORTS", "RayExport", "decisions", "gathered", "pull", "relabeled"]
+__all__ = [
+    "DECISIONS", "REPORTS", "SEEN", "RayExport", "decisions", "gathered", "pull", "pull_decisions",
+    "relabeled",
+]  # fmt: skip
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -58,6 +61,10 @@ REPORTS: dict[str, dict[str, Any]] = {}
 refreshed by :func:`pull`; the router reads each replica's ``kv_usage`` here."""
 
 
+SEEN: dict[str, int] = {"replicas": 0}
+"""How many model replicas this process's prefix router can send to (Serve tells it as they come
+and go; a router just started may not know them all yet)."""
+
 DECISION_KINDS = ("prefix", "overflow", "new", "load")
 DECISIONS: Counter[str] = Counter()
 """What this process's prefix routers decided, request by request (``decisions`` says it as
@@ -66,15 +73,15 @@ DECISIONS: Counter[str] = Counter()
 time; ``load``, no prefix to route by."""
 
 
-async def pull(app: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
-    """Ask every live model replica of application ``app`` for its report (its
-    ``record_routing_stats``: KV use, prefix hits, metrics) now; the answers replace ``REPORTS``.
-    A replica that does not answer within ``timeout_s`` (dying, busy loading) is left out."""
+async def _reports(app: str, deployment: str, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Every live replica of ``deployment`` in application ``app``, asked for its report (its
+    ``record_routing_stats``) now: replica id -> report. A replica that does not answer within
+    ``timeout_s`` (dying, busy loading) is left out."""
     import asyncio
 
     import ray
 
-    mine = f"SERVE_REPLICA::{app}#UnillmModel#"
+    mine = f"SERVE_REPLICA::{app}#{deployment}#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(mine)]
 
     async def one(name: str) -> tuple[str, dict[str, Any] | None]:
@@ -86,10 +93,28 @@ async def pull(app: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
         except Exception:  # gone between the listing and the call, or too slow
             return name.removeprefix(mine), None
 
-    found = {k: v for k, v in await asyncio.gather(*(one(n) for n in names)) if isinstance(v, dict)}
+    return {k: v for k, v in await asyncio.gather(*(one(n) for n in names)) if isinstance(v, dict)}
+
+
+async def pull(app: str, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    """Ask every live model replica of application ``app`` for its report (KV use, prefix hits,
+    metrics) now; the answers replace ``REPORTS``."""
+    found = await _reports(app, "UnillmModel", timeout_s)
     REPORTS.clear()
     REPORTS.update(found)
     return found
+
+
+async def pull_decisions(app: str, timeout_s: float = 5.0) -> tuple[Counter[str], int]:
+    """The decisions of application ``app``'s direct routers (the ``UnillmRouter`` replicas, each
+    reporting its process's ``DECISIONS`` and ``SEEN``), summed, and the fewest replicas any of
+    them can send to."""
+    total: Counter[str] = Counter()
+    seen: list[int] = []
+    for report in (await _reports(app, "UnillmRouter", timeout_s)).values():
+        total.update(report.get("decisions") or {})
+        seen.append(int(report.get("replicas") or 0))
+    return total, min(seen, default=0)
 
 
 def gathered(reports: dict[str, dict[str, Any]]) -> str:
@@ -98,9 +123,10 @@ def gathered(reports: dict[str, dict[str, Any]]) -> str:
     return relabeled(texts)
 
 
-def decisions() -> str:
-    """The exposition of this process's prefix routers' decisions (``DECISIONS``)."""
-    from prometheus_client.core import CounterMetricFamily
+def decisions(counts: Counter[str] | None = None, replicas: int | None = None) -> str:
+    """The exposition of prefix routers' decisions and of the replicas they see: ``counts`` and
+    ``replicas``, by default this process's (``DECISIONS``, ``SEEN``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     family = CounterMetricFamily(
         "unillm:ray_router_decisions",
@@ -109,8 +135,13 @@ def decisions() -> str:
         labels=["decision"],
     )
     for what in DECISION_KINDS:
-        family.add_metric([what], float(DECISIONS[what]))
-    return _exposition([family])
+        family.add_metric([what], float((DECISIONS if counts is None else counts)[what]))
+    seen = GaugeMetricFamily(
+        "unillm:ray_router_replicas",
+        "Model replicas the prefix router can send to (the fewest, over several routers).",
+        value=float(SEEN["replicas"] if replicas is None else replicas),
+    )
+    return _exposition([family, seen])
 
 
 class RayExport:

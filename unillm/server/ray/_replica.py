@@ -115,9 +115,9 @@ class Replica:
         for spec in config.models:  # loaded before the replica takes requests
             engine = await asyncio.to_thread(_load, served_config(spec, config))
             self.pool.adopt(spec.alias, engine)
-        self.app = create_app(config, pool=self.pool)
+        self.server = create_app(config, pool=self.pool)
         self._stack = contextlib.AsyncExitStack()
-        await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
+        await self._stack.enter_async_context(self.server.router.lifespan_context(self.server))
         self.name, self.node = _replica_name(), _node_id()
         from unillm.server.ray._metrics import RayExport
 
@@ -135,7 +135,7 @@ class Replica:
     ) -> AsyncIterator[Head | bytes]:
         """Answer one HTTP request (``asgi_stream``), adding this replica's name and node as headers
         (``x-unillm-replica``, ``x-unillm-node``)."""
-        stream = asgi_stream(self.app, method, path, query, headers, body, client, self.interval_s)
+        stream = asgi_stream(self.server, method, path, query, headers, body, client, self.interval_s)
         async for item in stream:
             if isinstance(item, tuple):
                 status, head = item
@@ -154,7 +154,7 @@ class Replica:
         """This replica's Prometheus exposition (the server's /metrics)."""
         from prometheus_client import generate_latest
 
-        return generate_latest(self.app.state.unillm.metrics.registry).decode()
+        return generate_latest(self.server.state.unillm.metrics.registry).decode()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router reads (Serve calls this every ``request_routing_stats_period_s``): the KV
@@ -191,7 +191,7 @@ class Replica:
             raise RuntimeError("the replica's models are not loaded")
 
     async def __del__(self) -> None:
-        self.app.state.unillm.begin_shutdown()
+        self.server.state.unillm.begin_shutdown()
         await self._stack.aclose()
 
 

@@ -38,10 +38,13 @@ KV_FULL = 0.95
 """A replica whose KV cache is this full evicts prefixes as fast as it takes them: routed by load."""
 
 
-def prefix_text(path: str, body: Any) -> str | None:
-    """What a request's prompt starts with, as text, or ``None`` when it has no prompt to route by."""
+def prefix_text(path: str | None, body: Any) -> str | None:
+    """What a request's prompt starts with, as text, or ``None`` when it has no prompt to route by.
+    ``path`` ``None``: the route is told by the body's fields (the direct router sees no path)."""
     if not isinstance(body, dict):
         return None
+    if path is None:
+        path = _route_of(body)
     parts: list[Any] = [body.get("model")]
     if path.endswith("/messages"):  # Anthropic's: the system prompt is a field of its own
         parts += [body.get("system"), body.get("messages")]
@@ -55,6 +58,16 @@ def prefix_text(path: str, body: Any) -> str | None:
         return json.dumps(parts, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
     except (TypeError, ValueError):
         return None
+
+
+def _route_of(body: dict[str, Any]) -> str:
+    """The route a request body was sent to, by its fields: a ``prompt`` is a completion, a
+    ``system`` field Anthropic's, other ``messages`` a chat."""
+    if "prompt" in body:
+        return "/v1/completions"
+    if "messages" in body:
+        return "/v1/messages" if "system" in body else "/v1/chat/completions"
+    return "/"
 
 
 def prefix_hashes(text: str | None) -> list[bytes]:
@@ -79,7 +92,8 @@ class PrefixRouter(RequestRouter):
     ``FIFOMixin`` would hand it to the oldest request waiting, whatever its prefix).
 
     Serve pickles this class by value (its module's globals are copies where it runs): what it
-    shares with the ingress (``REPORTS``, ``DECISIONS``) it imports from ``_metrics`` when called."""
+    shares with the ingress (``REPORTS``, ``DECISIONS``, ``SEEN``) it imports from ``_metrics``
+    when called."""
 
     def initialize_state(self, imbalance: int = 8, capacity: int = 100_000, **_: Any) -> None:
         self._imbalance = max(1, int(imbalance))
@@ -89,7 +103,10 @@ class PrefixRouter(RequestRouter):
         self.decisions: Counter[str] = Counter()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        from unillm.server.ray._metrics import SEEN
+
         super().update_replicas(replicas)
+        SEEN["replicas"] = len(self._replicas)
         gone = [h for h, r in self._owner.items() if r not in self._replicas]
         for h in gone:  # a replaced replica's cache is gone with it
             del self._owner[h]

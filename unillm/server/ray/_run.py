@@ -12,7 +12,7 @@ from typing import Any
 
 from unillm._errors import ConfigError, UnillmError
 from unillm.server._config import ServerConfig
-from unillm.server.ray._build import RayAppArgs, application
+from unillm.server.ray._build import RayAppArgs, application, direct
 
 __all__ = ["DeployFailed", "serve_on_ray", "wait_running"]
 
@@ -92,8 +92,9 @@ def serve_on_ray(
             print(f"unillm serve: Ray Serve was already running on this cluster; its proxies listen on "
                   f"{http.host}:{http.port}, not on the address asked", file=sys.stderr)  # fmt: skip
         aliases, proxies = ", ".join(s.alias for s in cfg.models), len(serve.status().proxies)
+        front = "HAProxy, straight to the replicas" if direct(ray_args) else f"{proxies} proxies"
         print(f"unillm serve: listening on http://{http.host}:{http.port}/v1 through Ray Serve "
-              f"({proxies} proxies; models: {aliases})", file=sys.stderr, flush=True)  # fmt: skip
+              f"({front}; models: {aliases})", file=sys.stderr, flush=True)  # fmt: skip
         done = stop or threading.Event()
         previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
