@@ -369,6 +369,7 @@ def worker_counts(workers: list[str]) -> tuple[dict[str, dict[str, float]], dict
             for s in family.samples:
                 if s.name == "unillm:ray_router_decisions_total":
                     routed[s.labels["decision"]] = routed.get(s.labels["decision"], 0.0) + s.value
+                if s.name.startswith("unillm:ray_router_"):  # the router's, not a worker's
                     continue
                 key = f"{w}#{s.labels['replica']}" if "replica" in s.labels else w
                 got = out.setdefault(key, {"requests": 0.0, "prefix_hits": 0.0, "prefix_queries": 0.0})

@@ -1,7 +1,8 @@
-"""vLLM's own multi-node path without Ray, through unillm, on two loopback "nodes": node 0 is an
-engine in this process (``load_engine``), node 1 a ``unillm serve --headless`` subprocess in its own
-process group; each node's rank runs on a core of its own. Tensor parallel 2 and pipeline parallel 2
-give the greedy tokens of the session's single-process engine (tests/conftest.py).
+"""vLLM's own multi-node path without Ray, through unillm, on two loopback "nodes": node 1 is a
+``unillm serve --headless`` subprocess in its own process group; node 0 is ``unillm serve`` over
+HTTP (tensor parallel 2) or an engine in this process (``load_engine``, pipeline parallel 2); each
+node's rank runs on a core of its own. Both give the greedy answers of the session's
+single-process engine (tests/conftest.py).
 
 Each layout is a start of its own (two starts, one per layout): vLLM fixes the layout when it
 starts, and pipeline stages on vLLM's CPU build need the compiled model (enforce_eager refused),
@@ -30,7 +31,7 @@ from unillm import ConfigError, SamplingParams, load_engine
 from unillm.cli import app
 from unillm.testing import TinyModel
 
-from ._server_util import free_port
+from ._server_util import free_port, start_server, stop_group
 from .conftest import VLLM_CONTEXT, VLLM_OPTIONS
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -159,21 +160,13 @@ def tail(log: Path, n: int = 40) -> str:
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-@pytest.mark.parametrize(
-    ("layout", "note"),
-    [
-        pytest.param({"tensor_parallel_size": 2}, "tensor-parallel groups span the nodes", id="tp2"),
-        # compiled (TRACED): vLLM's CPU build runs pipeline stages only so, and unillm refuses eager
-        pytest.param(
-            {"pipeline_parallel_size": 2, "enforce_eager": False, "engine_args": TRACED},
-            "each node runs 1 of the 2 ranks",
-            id="pp2",
-        ),
-    ],
-)
-def test_two_loopback_nodes_give_the_tokens_of_one_process(
-    vllm_engine: Any, tiny: TinyModel, tmp_path: Path, layout: dict[str, Any], note: str
+def test_pipeline_parallel_over_two_loopback_nodes_gives_the_tokens_of_one_process(
+    vllm_engine: Any, tiny: TinyModel, tmp_path: Path
 ) -> None:
+    """Node 0 is ``load_engine`` in this process; each node runs one of the two pipeline stages,
+    compiled (TRACED): vLLM's CPU build runs pipeline stages only so, and unillm refuses eager."""
+    layout = {"pipeline_parallel_size": 2, "enforce_eager": False, "engine_args": TRACED}
+    note = "each node runs 1 of the 2 ranks"
     alone = [vllm_engine.generate(p, GREEDY).token_ids for p in PROMPTS]
     cores = sorted(os.sched_getaffinity(0))
     node = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": free_port()}
@@ -199,6 +192,45 @@ def test_two_loopback_nodes_give_the_tokens_of_one_process(
         finally:
             engine.close()
     assert got == alone
+    assert "node 1 of 2, 1 vLLM rank(s) here" in log.read_text(errors="replace")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_node_0_served_with_tensor_parallel_over_two_nodes_answers_as_one_process(
+    vllm_engine: Any, tiny: TinyModel, tmp_path: Path
+) -> None:
+    """The commands docs/scaling-out.md gives: node 0 is ``unillm serve`` (HTTP), node 1
+    ``unillm serve --headless``, tensor parallel 2 across them; the official client's greedy
+    completions are the single-process engine's, and both nodes stop on SIGTERM."""
+    import openai
+
+    alone = [vllm_engine.generate(p, GREEDY).text for p in PROMPTS]
+    cores = sorted(os.sched_getaffinity(0))
+    node = {"nnodes": 2, "master_addr": "127.0.0.1", "master_port": free_port()}
+    options = {**VLLM_OPTIONS, "tensor_parallel_size": 2, **node}
+    log = tmp_path / "node1.log"
+    args = [str(tiny.hf_dir), "--backend", "vllm", "--alias", "tiny", "--context", str(VLLM_CONTEXT),
+            *cli_options({**options, "node_rank": 0})]  # fmt: skip
+    with headless_node(tiny, options, cores[-1], log) as node1:
+        with bounded_start(node1, log), on_core(cores[0]):
+            server = start_server(args, timeout_s=START_BOUND_S)
+        try:
+            oai = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+            got = [oai.completions.create(model="tiny", prompt=p, max_tokens=GREEDY.max_tokens,
+                                          temperature=0).choices[0].text for p in PROMPTS]  # fmt: skip
+            # both stop on SIGTERM, as a service manager stops them; the two shutdowns overlap
+            node1.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(EXIT_BOUND_S)  # within vLLM's own grace for stuck workers
+            left = group_left(server.proc.pid)
+        finally:
+            stop_group(server.proc)
+    assert got == alone
+    # uvicorn ends by the signal it was stopped by, once it has shut down
+    assert code in (0, -signal.SIGTERM), server.log
+    assert not left, f"node 0's processes still run after it exited: {left}"
     assert "node 1 of 2, 1 vLLM rank(s) here" in log.read_text(errors="replace")
 
 
