@@ -11,8 +11,9 @@ and metric is the server's; its ``/metrics`` is the whole application's (every r
 labelled, and the routers' decisions), as the ingress's is.
 
 What HAProxy does, not unillm: a request whose replica cannot be reached is sent to another
-(``retry-on``, ``option redispatch``); a replica lost mid-answer cuts the client's connection, which
-every client reads as a failed request."""
+(``retry-on conn-failure``, ``option redispatch``); one whose replica died after taking it gets
+HAProxy's 502, which the official clients send again; a replica lost mid-answer cuts the client's
+connection, which every client reads as a failed request."""
 
 from __future__ import annotations
 
