@@ -728,7 +728,9 @@ def test_a_hub_gone_between_the_listing_and_the_download(
 
 def _mlx_4bit(hub: HubServer, tmp_path: Path) -> str:
     """A real MLX 4-bit conversion of the tiny model (mlx-lm's own converter), on the hub."""
-    from mlx_lm import convert
+    from unillm.engines.mlx._model import import_mlx_lm
+
+    convert = import_mlx_lm().convert
 
     from unillm.testing import build_tiny_model
 

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from unillm import (
     plan,
 )
 from unillm.backend import Cost, EngineConfig, Facts
+from unillm.engines.mlx._model import import_mlx_lm
 from unillm.testing import TinyModel, check_engine
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="mlx-lm is not installed")
@@ -58,9 +60,9 @@ def mlx(tiny: TinyModel, request: pytest.FixtureRequest) -> Any:
 
 
 def raw_greedy(tiny: TinyModel, prompt: str, n: int) -> list[int]:
-    """mlx-lm used directly, as a user would without unillm."""
-    import mlx_lm
-
+    """mlx-lm used directly, as a user would without unillm (imported without lowering this
+    process's open-file limit, which later tests' processes inherit)."""
+    mlx_lm = import_mlx_lm()
     model, tokenizer = _raw_model(tiny)
     out = []
     for resp in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n):
@@ -75,9 +77,7 @@ _RAW: dict[str, Any] = {}
 
 def _raw_model(tiny: TinyModel) -> Any:
     if "m" not in _RAW:
-        import mlx_lm
-
-        _RAW["m"] = mlx_lm.load(str(tiny.hf_dir))
+        _RAW["m"] = import_mlx_lm().load(str(tiny.hf_dir))
     return _RAW["m"]
 
 
@@ -239,6 +239,7 @@ def test_prompts_prefilled_together_give_the_tokens_they_give_alone(
 ) -> None:
     """prefill_batch_size > 1: prompts of different lengths sent together are prefilled as one
     (padded) batch, and each still gets the tokens it gets alone."""
+    import_mlx_lm()
     from mlx_lm.generate import PromptProcessingBatch
 
     from unillm.engines.mlx import MLXEngine
@@ -436,3 +437,39 @@ def test_probe_build_reports_the_installed_mlx() -> None:
     findings: list[str] = []
     build = MLXEngine.probe_build(hw, findings)
     assert build is not None and build == _build.build(hw, [])
+
+
+_LIMITS = """
+import resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # something a lowering would show
+before = resource.getrlimit(resource.RLIMIT_NOFILE)
+if sys.argv[1] == "unillm":
+    from unillm.engines.mlx._model import import_mlx_lm
+
+    import_mlx_lm()
+import mlx_lm.generate
+print(list(before), list(resource.getrlimit(resource.RLIMIT_NOFILE)))
+"""
+
+
+def test_loading_mlx_leaves_the_processs_open_file_limit_as_it_was() -> None:
+    """mlx-lm's utils set RLIMIT_NOFILE to (2048, 4096) when imported, lowering a higher limit for
+    the rest of the process and every process it starts; unillm imports it so that a limit is only
+    raised. In subprocesses: the import changes the process for good."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 4096:
+        pytest.skip("this machine's hard limit is not above mlx-lm's 4096: nothing to lower")
+
+    def limits(how: str) -> tuple[list[int], list[int]]:
+        argv = [sys.executable, "-c", _LIMITS, how]
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        before, after = done.stdout.strip().split("] [")
+        return json.loads(before + "]"), json.loads("[" + after)
+
+    before, after = limits("plain")
+    assert after == [2048, 4096] != before  # mlx-lm's import lowers it (the reason for the guard)
+    before, after = limits("unillm")
+    assert after == before

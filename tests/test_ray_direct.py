@@ -70,6 +70,9 @@ def direct(tiny_gguf: Path) -> Iterator[Direct]:
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",  # as docs/scaling-out.md has it
+        # HAProxy wants ~2.5 open files per connection it may hold (4096 by default): within
+        # a hard limit of 4096 (mlx-lm's import set that in-process before unillm guarded it)
+        "RAY_SERVE_HAPROXY_MAXCONN": "1024",
         # HAProxy's own stats and metrics listen on fixed ports by default
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
@@ -101,6 +104,14 @@ def direct(tiny_gguf: Path) -> Iterator[Direct]:
         # runs: until it sees both, every new prefix would go to the one it knows
         wait_until(lambda: served.metrics().get(("unillm:ray_router_replicas", frozenset())) == 2, 60,
                    "the router to see both replicas")  # fmt: skip
+
+        # and HAProxy learns of the router a moment after the replicas (Serve sends it the router's
+        # address in a later update): until then it balances requests itself
+        def routed() -> bool:
+            _ask(served.client(), _messages(0), max_tokens=1)  # no prefix: routed by load
+            return _decisions(served).get("load", 0.0) > 0
+
+        wait_until(routed, 60, "HAProxy to ask the router", every_s=0.2)
         yield served
     finally:
         if proc is not None and proc.poll() is None:

@@ -57,6 +57,7 @@ from unillm.engines.mlx._model import (
     cache_offset,
     check_tokenizer,
     has_batch_generator,
+    import_mlx_lm,
     model_dir,
 )
 from unillm.engines.mlx._sampling import MLXLogprobs, processors, sampler
@@ -206,7 +207,8 @@ class MLXEngine(Engine[MLXOptions]):
             raise BackendUnavailable(self.name, avail.reason, INSTALL_HINT)
         try:
             import mlx.core as mx
-            import mlx_lm
+
+            mlx_lm = import_mlx_lm()  # before any other import of it: see there
             from mlx_lm.models import cache as mlx_cache
         except (ImportError, OSError) as exc:
             raise BackendUnavailable(self.name, f"mlx failed to import: {exc}", INSTALL_HINT) from exc

@@ -23,6 +23,7 @@ __all__ = [
     "cache_offset",
     "check_tokenizer",
     "has_batch_generator",
+    "import_mlx_lm",
     "model_dir",
 ]
 
@@ -77,6 +78,38 @@ def _a_file(model: str) -> ModelFormatError:
         f"{model!r} is a file; MLX reads Hugging Face-style model directories "
         "(config.json, *.safetensors, tokenizer). For a .gguf file use backend='llama.cpp'."
     )
+
+
+def import_mlx_lm() -> Any:
+    """``mlx_lm``, imported without lowering this process's open-file limit. Its ``utils`` module
+    sets ``RLIMIT_NOFILE`` to (2048, 4096) when first imported (mlx-lm 0.31: meant to raise the
+    limit for models of many files), which lowers a higher one, and a hard limit once lowered stays
+    lowered: a server could then hold fewer connections, and every process it starts inherits it
+    (Ray Serve's HAProxy refused to start under it). While it imports, a limit is only raised."""
+    import resource
+
+    real = resource.setrlimit
+
+    def only_raise(which: int, limits: tuple[int, int]) -> None:
+        if which != resource.RLIMIT_NOFILE:
+            return real(which, limits)
+        soft, hard = resource.getrlimit(which)
+        wanted = (_higher(soft, limits[0]), _higher(hard, limits[1]))
+        if wanted != (soft, hard):
+            real(which, wanted)
+
+    resource.setrlimit = only_raise  # type: ignore[assignment]
+    try:
+        import mlx_lm
+    finally:
+        resource.setrlimit = real
+    return mlx_lm
+
+
+def _higher(a: int, b: int) -> int:
+    import resource
+
+    return resource.RLIM_INFINITY if resource.RLIM_INFINITY in (a, b) else max(a, b)
 
 
 # ---- after the load ----

@@ -241,8 +241,8 @@ def _direct_application(ray_args: RayAppArgs, cfg: ServerConfig, options: dict[s
             "(docs/scaling-out.md), or leave ingress=auto"
         )
     # no stream interval: a replica writes to HAProxy's connection itself, as unillm serve does
-    model = serve.deployment(serve.ingress()(DirectReplica), name="UnillmModel")  # type: ignore[attr-defined]
-    model_app = model.options(**options).bind(cfg, 0.0)
+    model = serve.deployment(serve.ingress()(DirectReplica), name="UnillmModel").options(**options)  # type: ignore[attr-defined]
+    model_app = model.bind(cfg, 0.0)
     router = serve.deployment(serve.ingress()(DirectRouter), name="UnillmRouter").options(  # type: ignore[attr-defined]
         num_replicas=ray_args.ingress_replicas,
         ray_actor_options={"num_cpus": 0},
