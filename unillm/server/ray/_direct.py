@@ -23,12 +23,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
-from unillm.server._app import key_refusal
 from unillm.server._config import ServerConfig
-from unillm.server._errors import error_response
-from unillm.server.ray._ingress import reporting, served_path
+from unillm.server.ray._ingress import metrics_response, reporting, served_path
 from unillm.server.ray._metrics import decisions, gathered, pull, pull_decisions
 from unillm.server.ray._replica import Replica
 from unillm.server.ray._router import prefix_hashes, prefix_text
@@ -104,13 +102,11 @@ class DirectReplica(Replica):
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The application's metrics: every replica's, labelled, and the routers' decisions."""
-        request = Request(scope, receive)
-        refused = key_refusal(self.key, "/metrics", dict(scope.get("headers") or ()))
-        if refused is not None:
-            response: Response = error_response(request, refused)
-        else:
-            text = gathered(await pull(self.app_name)) + decisions(*await pull_decisions(self.app_name))
-            response = Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        async def text() -> str:
+            return gathered(await pull(self.app_name)) + decisions(*await pull_decisions(self.app_name))
+
+        response = await metrics_response(Request(scope, receive), self.key, text)
         await response(scope, receive, send)
 
 

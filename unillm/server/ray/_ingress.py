@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -27,7 +27,7 @@ from unillm.server._openai_wire import error_event as openai_error
 from unillm.server.ray._metrics import decisions, gathered, pull
 from unillm.server.ray._router import prefix_hashes, prefix_text
 
-__all__ = ["Ingress", "ReplicaLost", "reporting", "served_path"]
+__all__ = ["Ingress", "ReplicaLost", "metrics_response", "reporting", "served_path"]
 
 log = logging.getLogger("unillm.server.ray")
 _LOST = (RayActorError, ActorUnavailableError)
@@ -68,11 +68,7 @@ class Ingress:
         path = served_path(request.scope)
         headers = list(request.scope.get("headers") or ())
         if path == "/metrics":
-            refused = key_refusal(self.key, path, dict(headers))
-            if refused is not None:
-                return error_response(request, refused)
-            text = gathered(await pull(self.app)) + decisions()
-            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+            return await metrics_response(request, self.key, lambda: _ingress_metrics(self.app))
         body = bytearray()
         async for part in request.stream():
             body += part
@@ -94,6 +90,22 @@ class Ingress:
                 continue
             return StreamingResponse(_relay(answer, path), status_code=status, headers=_headers(head))
         return error_response(request, ReplicaLost(self.retries + 1))
+
+
+async def metrics_response(
+    request: Request, key: bytes | None, text: Callable[[], Awaitable[str]]
+) -> Response:
+    """The application's ``/metrics`` (``text``, asked only once the API key passed), or the
+    server's own refusal: the ingress's and, in the direct shape, every replica's."""
+    refused = key_refusal(key, "/metrics", dict(request.scope.get("headers") or ()))
+    if refused is not None:
+        return error_response(request, refused)
+    return Response(await text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _ingress_metrics(app: str) -> str:
+    """Every replica's metrics and this process's router decisions (the ingress runs the router)."""
+    return gathered(await pull(app)) + decisions()
 
 
 async def reporting(app: str, period_s: float) -> None:
