@@ -12,6 +12,7 @@ killed, a node gone, the CLI stopped) run last, in file order.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import signal
 import subprocess
@@ -269,27 +270,22 @@ def test_the_anthropic_route_streams_through_the_ingress(app: Cluster, llama: An
     assert text == llama.chat(_messages(3), temperature=0, max_tokens=8).text
 
 
+@functools.cache  # per engine: the session's reference engine, asked once
 def clear_prompts(llama: Any, n: int = 24, margin: float = 0.05) -> tuple[int, ...]:
     """The first ``n`` indices ``i`` whose ``_messages(i)`` has a greedy 24-token answer with no
     near-tie on the way (the top two tokens at least ``margin`` nats apart at every step), by the
     reference engine's logprobs. Under load a replica decodes several sequences at once, and the
     batch's other rows change the sums' order: a near-tie (CI saw 0.003 nats, on a prompt the
     load reached only once it ran long enough) can then flip, as it can on plain ``unillm serve``."""
-    key = (id(llama), n, margin)
-    if key not in _CLEAR:
-        found: list[int] = []
-        i = 0
-        while len(found) < n:
-            i += 1
-            c = llama.chat(_messages(i), temperature=0, max_tokens=24, logprobs=2)
-            steps = c.top_logprobs or []
-            if steps and all(len(s) < 2 or s[0][1] - s[1][1] >= margin for s in steps):
-                found.append(i)
-        _CLEAR[key] = tuple(found)
-    return _CLEAR[key]
-
-
-_CLEAR: dict[tuple[int, int, float], tuple[int, ...]] = {}
+    found: list[int] = []
+    i = 0
+    while len(found) < n:
+        i += 1
+        c = llama.chat(_messages(i), temperature=0, max_tokens=24, logprobs=2)
+        steps = c.top_logprobs or []
+        if steps and all(len(s) < 2 or s[0][1] - s[1][1] >= margin for s in steps):
+            found.append(i)
+    return tuple(found)
 
 
 def _load(
