@@ -173,6 +173,21 @@ def test_the_key_guards_requests_and_metrics_which_name_each_replica(direct: Dir
     assert answered <= served and len(served) == 2, (answered, served)
 
 
+def test_careless_bodies_get_the_servers_own_errors_through_the_router(direct: Direct) -> None:
+    """What the router cannot read (not JSON, no prompt, larger than the server takes) is routed by
+    load, and the replica's server answers as unillm serve does."""
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    url = direct.url + "/v1/chat/completions"
+    broken = httpx.post(url, content=b"{not json", headers=headers, timeout=30)
+    assert broken.status_code == 400 and "error" in broken.json()
+    odd = httpx.post(url, json={"model": ALIAS, "messages": "not a list"}, headers=headers, timeout=30)
+    assert odd.status_code in (400, 422) and "error" in odd.json()
+    big = httpx.post(url, content=b"x" * (5 << 20), headers=headers, timeout=60)
+    assert big.status_code == 413
+    with pytest.raises(openai.NotFoundError):
+        direct.client().chat.completions.create(model="nope", messages=_messages(0), max_tokens=2)
+
+
 def test_the_anthropic_route_streams_straight_from_the_replica(direct: Direct, llama: Any) -> None:
     import anthropic
 
